@@ -7,7 +7,9 @@ Every entry point takes `--model smollm2` (the alias, prepared on first use) or 
 Hugging Face model directory; `resolve_model` turns either into a directory path.
 """
 import argparse
+import copy
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,9 @@ import zipfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = Path(os.environ.get("MUTIS_MODELS_DIR", ROOT / "models"))
@@ -108,6 +113,256 @@ def load_causal_lm(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+
+
+# ----------------------------------------------------------------------------- critic
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueModel(nn.Module):
+    """Backbone (an HF base model, no LM head) + a scalar head on the last hidden state.
+
+    The head starts at zero (weight and bias), so every value starts at exactly 0: the first
+    critic updates then add no noise to the advantages (rewards are 0/1, gamma = lambda = 1).
+    Adam moves the head off zero on the first step; the backbone gets gradients from then on.
+    """
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1, dtype=backbone.dtype)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, response_start):
+        # One forward through the root module, so FSDP2 unshards the head together with the rest.
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        hidden = out.last_hidden_state[:, response_start - 1:-1]  # [B, R, H]
+        # a copy, not a view: FSDP2 hooks on a returned view are lost by in-place ops
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [B, R]
+
+
+def load_critic(path, dtype=torch.float32):
+    """Critic = the backbone of `path` + a value head; `path` is a causal LM or a save_critic directory."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    critic = ValueModel(backbone)
+    head_file = Path(path) / VALUE_HEAD_FILE
+    if head_file.exists():
+        critic.value_head.load_state_dict(load_file(head_file))
+    return critic
+
+
+def values(critic, input_ids, attention_mask, response_start):
+    """V(state before response token t) for t < R: read at position response_start-1+t, [B, R].
+
+    Same alignment as token_logprobs: position p's hidden state sees tokens <= p, so the
+    value for response token t is computed where that token's log-prob is predicted.
+    """
+    return critic(input_ids, attention_mask, response_start)
+
+
+def save_critic(critic, out_dir, tokenizer=None, dtype=None):
+    """Backbone as an HF directory (names `model.*`, so AutoModel and AutoModelForCausalLM both
+    load it) + value_head.safetensors. dtype=None keeps the parameters' own dtype (exact resume)."""
+    tensors = {}
+    for name, t in full_state_dict(critic):  # every rank iterates: full_tensor is a collective
+        if _rank() == 0:
+            name = "model." + name[len("backbone."):] if name.startswith("backbone.") else name
+            tensors[name] = _to_cpu(t, dtype)
+    head = {k[len("value_head."):]: tensors.pop(k) for k in list(tensors) if k.startswith("value_head.")}
+    _write_dir(out_dir, critic.config, tensors, tokenizer, dtype, extra={VALUE_HEAD_FILE: head})
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+def position_ids_from_mask(attention_mask):
+    """Left-padded prompts: the first real token is position 0, padding is clamped to 0. [B, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _head_chunk(hidden, weight, bias, targets, temperature, with_entropy):
+    # hidden [N, H] -> logits [N, V] in fp32 for this chunk only. The head is linear, so dividing
+    # its [N, H] input (and bias) by the temperature saves an [N, V] temporary.
+    logits = F.linear(hidden / temperature, weight, None if bias is None else bias / temperature).float()
+    logp_all = torch.log_softmax(logits, dim=-1)  # [N, V]; its fused backward keeps few [N, V] temporaries
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    if not with_entropy:
+        return logp, logp.new_zeros(())
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+    return logp, entropy
+
+
+def token_logprobs(model, input_ids, attention_mask, response_start, temperature=1.0, with_entropy=False,
+                   chunk_size=512):
+    """log p(input_ids[:, t] | input_ids[:, :t]) for the response tokens t >= response_start.
+
+    input_ids/attention_mask [B, L] (prompt left-padded, response right-padded); returns
+    logprobs [B, R] (and entropy [B, R] of the tempered distribution when with_entropy), R = L -
+    response_start. Padding positions hold garbage: mask them. Logits are divided by the
+    rollout temperature. Never builds [B, L, V]: the LM head + log-softmax run over chunks
+    of `chunk_size` positions, each under activation checkpointing, so backward keeps only
+    the [N, H] hidden chunk and recomputes its [N, V] logits.
+
+    FSDP2: everything goes through the root module's forward (logits_to_keep=1, so the head
+    there costs one position) and a forward hook catches the backbone's final hidden state.
+    The root's own parameters (embeddings, norm, tied head) stay unsharded after its forward
+    and are reduce-scattered by FSDP's end-of-backward callback, so the head weight read
+    afterwards is the full one and its gradient is reduced. Plain HF models take the same path.
+    """
+    assert temperature > 0, "greedy rollouts have no log-probs to match: use temperature > 0"
+    captured = {}
+    hook = model.base_model.register_forward_hook(
+        lambda module, args, out: captured.__setitem__("hidden", out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+              use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured["hidden"][:, response_start - 1:-1]  # [B, R, H]: position p predicts token p+1
+    B, R, H = hidden.shape
+    hidden = hidden.reshape(B * R, H)
+    targets = input_ids[:, response_start:].reshape(B * R)
+    head = model.get_output_embeddings()
+    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    logps, entropies = [], []
+    for s in range(0, B * R, chunk_size):
+        args = (hidden[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature,
+                with_entropy)
+        logp, entropy = checkpoint(_head_chunk, *args, use_reentrant=False) if checkpointed else _head_chunk(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    logp = torch.cat(logps).view(B, R)
+    return (logp, torch.cat(entropies).view(B, R)) if with_entropy else logp
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def init_distributed():
+    """(rank, world_size, local_rank, device). Under torchrun: one process group over all ranks
+    (gloo for CPU tensors, nccl for CUDA). Without torchrun: a 1-rank group in an in-process
+    store, so shard()/full_state_dict() work the same way in a plain `python train.py`."""
+    import torch.distributed as dist
+
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # gloo also serves offloaded params
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return rank, world, local, device
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def peak_rss_gb():
+    """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _decoder_layers(model):
+    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
+    return backbone.layers
+
+
+def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):
+    """FSDP2 in place: each decoder layer is one unit, the root (embeddings, norm, head; tied
+    weights are one parameter, so they share the root unit) is another. mixed_precision=bf16:
+    bf16 compute, fp32 gradient reduction; offload: parameters/grads/optimizer state on CPU.
+    The root keeps FSDP's default of staying unsharded after forward: token_logprobs reads the
+    head weight after the root forward and relies on that."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if grad_checkpointing:  # HF recomputes each decoder layer in backward (only while model.train())
+        backbone = model.backbone if isinstance(model, ValueModel) else model
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+# ----------------------------------------------------------------------------- export
+
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def full_state_dict(model):
+    """Yield (HF name, full tensor) one parameter at a time (DTensor.full_tensor() is a collective:
+    every rank must iterate). Tied weights appear once, under their first name (embed_tokens)."""
+    from torch.distributed.tensor import DTensor
+
+    persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
+                  for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
+    for name, tensor in [*model.named_parameters(), *persistent]:
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _to_cpu(t, dtype):
+    return t.to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+
+
+def _write_dir(out_dir, config, tensors, tokenizer, dtype, generation_config=None, extra=None):
+    """Rank 0 writes config, weights, tokenizer into a temp dir, then renames it into place."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    if _rank() == 0:
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+        config = copy.deepcopy(config)
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        for file_name, named in (extra or {}).items():
+            save_file(named, tmp / file_name, metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():  # os.replace cannot replace a non-empty directory: move it aside first
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old"))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the directory before it is complete
+
+
+def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16):
+    """A causal LM directory that transformers and vLLM load. Tied head: like save_pretrained,
+    only embed_tokens is written and config.tie_word_embeddings tells loaders to tie."""
+    tensors = {}
+    for name, t in full_state_dict(model):
+        if _rank() == 0 and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[name] = _to_cpu(t, dtype)
+    _write_dir(out_dir, model.config, tensors, tokenizer, dtype, generation_config=model.generation_config)
 
 
 def main():

@@ -1,0 +1,180 @@
+"""Tests for model.py, each against an independent computation: the full [B, L, V] log-softmax,
+an unpadded copy of a padded row, plain (unsharded) PyTorch for FSDP2, a transformers reload."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return M.load_causal_lm(tiny_model_dir).eval()
+
+
+def make_batch(B=3, P=7, R=9, seed=0):
+    """Random ids; row 0 and 1 left-padded prompts, row 2 a right-padded response."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 5000, (B, P + R), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    mask[2, -2:] = 0
+    ids[mask == 0] = 2  # pad id; must not matter
+    return ids, mask, P
+
+
+def naive_logprobs(m, ids, mask, P, temperature=1.0):
+    """The textbook way: full logits, full fp32 log-softmax, gather."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)  # [B, R, V]
+    return logp.gather(-1, ids[:, P:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def test_smollm2_generates(smollm2_dir):
+    tok = M.load_tokenizer(smollm2_dir)
+    lm = M.load_causal_lm(smollm2_dir).eval()  # fp32: faster than bf16 on CPUs without AMX
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.strip(), "empty generation"
+    assert sum(c.isascii() for c in text) / len(text) > 0.9, text
+    assert "paris" in text.lower(), text  # garbage weights would not know this
+
+
+def test_tiny_forward(tiny, tiny_model_dir):
+    assert len(M.load_tokenizer(tiny_model_dir)) == tiny.config.vocab_size
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        logits = tiny(input_ids=ids).logits
+    assert logits.shape == (2, 12, tiny.config.vocab_size)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("temperature,chunk_size", [(1.0, 1024), (0.7, 5)])
+def test_token_logprobs_matches_full_log_softmax(tiny, temperature, chunk_size):
+    ids, mask, P = make_batch()
+    with torch.no_grad():
+        logp, ent = M.token_logprobs(tiny, ids, mask, P, temperature, with_entropy=True, chunk_size=chunk_size)
+        want_logp, want_ent = naive_logprobs(tiny, ids, mask, P, temperature)
+        only = M.token_logprobs(tiny, ids, mask, P, temperature, chunk_size=chunk_size)
+    assert logp.shape == ent.shape == (3, 9)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(only, want_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)  # entropies are ~10 nats
+
+
+def test_left_padding_gives_same_logprobs_as_unpadded(tiny):
+    ids, mask, P = make_batch()
+    seen = {}
+    hook = tiny.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        logp = M.token_logprobs(tiny, ids, mask, P, chunk_size=4)
+    hook.remove()
+    # RoPE is shift-invariant, so check the positions themselves (absolute-position models need them)
+    assert seen["position_ids"][0].tolist() == [0, 0, 0] + list(range(13))
+    assert seen["position_ids"][2].tolist() == list(range(14)) + [13, 13]
+    with torch.no_grad():
+        for row, pad in ((0, 3), (1, 1)):
+            alone = ids[row:row + 1, pad:]  # the same row with no padding and no mask at all
+            logits = tiny(input_ids=alone).logits[0, P - pad - 1:-1]
+            want = torch.log_softmax(logits, -1).gather(-1, alone[0, P - pad:, None]).squeeze(-1)
+            torch.testing.assert_close(logp[row], want, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_gradient_matches_naive(tiny_model_dir):
+    ids, mask, P = make_batch()
+    weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(1)) * mask[:, P:]
+    grads = []
+    for fn in ("chunked", "naive"):
+        m = M.load_causal_lm(tiny_model_dir).train()
+        if fn == "chunked":
+            logp, ent = M.token_logprobs(m, ids, mask, P, 0.7, with_entropy=True, chunk_size=5)
+        else:
+            logp, ent = naive_logprobs(m, ids, mask, P, 0.7)
+        ((logp + 0.1 * ent) * weights).sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[1].items():
+        assert g.abs().max() > 0, name
+        # fp32 round-off scales with the largest entry (the tied head's gradient reaches ~10)
+        assert (grads[0][name] - g).abs().max() < 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_values_alignment(tiny_model_dir):
+    critic = M.load_critic(tiny_model_dir).eval()
+    ids, mask, P = make_batch()
+    with torch.no_grad():
+        assert M.values(critic, ids, mask, P).abs().max() == 0  # zero-initialised head
+        torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+        critic.value_head.bias.fill_(0.25)
+        v = M.values(critic, ids, mask, P)
+        assert v.shape == (3, 9) and v.dtype == torch.float32
+        # independent: the unpadded row through the backbone, read at position P-1+t for token t
+        for row, pad in ((0, 3), (1, 1)):
+            hidden = critic.backbone(input_ids=ids[row:row + 1, pad:]).last_hidden_state[0]
+            want = hidden[P - pad - 1:-1] @ critic.value_head.weight[0] + 0.25
+            torch.testing.assert_close(v[row], want, atol=1e-5, rtol=0)
+        # the value before token t cannot see token t; the value after it can
+        t = 4
+        changed = ids.clone()
+        changed[:, P + t] = (changed[:, P + t] + 1) % 5000
+        v2 = M.values(critic, changed, mask, P)
+    assert torch.equal(v2[:, :t + 1], v[:, :t + 1])
+    assert (v2[:, t + 1] - v[:, t + 1]).abs().min() > 0
+
+
+def test_critic_save_load_round_trip(tiny_model_dir, tmp_path):
+    critic = M.load_critic(tiny_model_dir)
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+        critic.backbone.norm.weight.mul_(1.5)  # the backbone must round-trip too, not only the head
+    M.save_critic(critic, tmp_path / "critic", M.load_tokenizer(tiny_model_dir))
+    again = M.load_critic(str(tmp_path / "critic"))
+    ids, mask, P = make_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(M.values(again, ids, mask, P), M.values(critic, ids, mask, P), atol=0, rtol=0)
+    # a critic directory is also a causal LM directory (e.g. --critic-model of a later run)
+    assert M.load_causal_lm(str(tmp_path / "critic")).config.vocab_size == critic.config.vocab_size
+
+
+def test_save_hf_bf16_reloads_and_replaces(tiny, tiny_model_dir, tmp_path):
+    tok = M.load_tokenizer(tiny_model_dir)
+    out = tmp_path / "export"
+    M.save_hf(tiny, tok, out)
+    M.save_hf(tiny, tok, out)  # an existing directory is replaced, not merged or refused
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dirs left behind"
+    reloaded = M.load_causal_lm(str(out), dtype=torch.bfloat16)
+    ids = torch.randint(0, 5000, (2, 10))
+    with torch.no_grad():
+        want = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)(input_ids=ids).logits
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, want, atol=0, rtol=0)
+
+
+def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(REPO / "tests" / "_fsdp_worker.py"), tiny_model_dir, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    for kind in ("policy", "critic"):
+        assert res[f"{kind}_names_equal"], res  # HF names, no wrapper prefixes
+        assert res[f"{kind}_grad_max"] > 1e-3, res
+        assert res[f"{kind}_grad_diff"] < 1e-5, res
+        assert res[f"{kind}_param_moved"] > 1e-4, res  # the AdamW step did something
+        assert res[f"{kind}_param_diff"] < 1e-5, res
+    assert not res["saved_has_lm_head"], res  # tied: only embed_tokens, like save_pretrained
+    assert res["reload_logits_diff"] < 1e-5 and res["reload_logprobs_diff"] < 1e-5, res
+    assert res["reload_values_diff"] < 1e-5, res
