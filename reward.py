@@ -1,0 +1,714 @@
+"""Answer extraction, math equivalence and reward functions for MuTIS.
+
+The reward is the only training signal, so the grader has to be right and must never hang.
+Answers go through three layers, cheapest first:
+
+1. Pre-checks (`_sane`) reject pathological strings (NUL bytes, huge inputs, unbalanced braces,
+   power towers) before any parser sees them.
+2. A fast path in this process: both answers are normalised (units, \\text, thousands separators,
+   degrees, percent, `x =` prefixes, \\dfrac, ...) and compared as strings, as exact numbers
+   (Fractions: integers, decimals, scientific notation, repeating decimals, mixed numbers) or with
+   relative tolerance 1e-4, and tuples, intervals and answer sets element by element.
+3. math-verify (`parse` + `verify`) for whatever the fast path cannot decide. It runs in a
+   persistent worker process (a "guard") that is killed and replaced when a comparison exceeds
+   its time limit; guards are forked from a "zygote" that imported math-verify once, so a
+   replacement costs milliseconds. math-verify's own timeouts use SIGALRM, which only works on
+   the main thread, so they are disabled (parsing_timeout=None, timeout_seconds=None) and the
+   kill is the limit: it works from any thread and inside torchrun workers.
+
+Public API: extract_answer, is_equivalent, compute_score, register, get_reward_fn, score_batch.
+"""
+import atexit
+import functools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+from multiprocessing.connection import Connection, wait
+
+DEFAULT_TIMEOUT = 1.0  # seconds per comparison
+REL_TOL = 1e-4  # relative tolerance once a decimal is involved (Minerva golds are rounded)
+MAX_ANSWER_CHARS = 1000  # longer "answers" are rambling or adversarial; the longest gold is ~210
+STARTUP_S = 120.0  # the zygote imports sympy once: slow on a busy machine, not comparison time
+POOL_MIN = 16  # fewer undecided items than this are not worth spreading over processes
+
+INTERVENTIONS = (
+    "Warning! Your previous action is invalid. Please try again:",
+    "My previous action is invalid. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again:",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Extraction
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
+_ECHO_RE = re.compile(r"<answer>\s*(?:and|or)\s*</answer>")  # prompt text that names the tags
+_LINE_RE = re.compile(r"(?im)^[ \t>#*_-]*(?:final\s+)?answer[ \t*_]*:[ \t*_]*(.*\S)|final answer is:?\s*(.*\S)")
+_NUM_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_PLACEHOLDERS = {"", "answer", "your answer", "final answer", "your final answer", "...", "?"}
+
+
+def _brace_pairs(text):
+    """Map each unescaped '{' to its matching '}' in one pass (linear even for 5k open braces)."""
+    pairs, stack, i = {}, [], 0
+    while i < len(text):
+        if text[i] == "\\":
+            i += 1  # \{ and \} are literal braces, not groups
+        elif text[i] == "{":
+            stack.append(i)
+        elif text[i] == "}" and stack:
+            pairs[stack.pop()] = i
+        i += 1
+    return pairs
+
+
+def _strip_math(s):
+    """Drop math delimiters, markdown emphasis and the Minerva 'I hope it is correct' frame."""
+    s = s.strip().strip("*").strip()
+    s = re.sub(r"(?i)^the final answer is:?\s*", "", s)
+    s = re.sub(r"(?i)[.\s]*I hope it is correct\.?$", "", s)
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):len(s) - len(b)].strip()
+    return s.rstrip(".").strip()
+
+
+def _extract(text, last_number=False, prompt=None):
+    """-> (answer or None, how) with how in {"boxed", "tag", "line", "number", None}."""
+    if not isinstance(text, str):
+        return None, None
+    for s in INTERVENTIONS + ((prompt,) if prompt else ()):  # never mistake these for an answer
+        text = text.replace(s, " ")
+    text = _ECHO_RE.sub(" ", text)
+    boxes = list(_BOX_RE.finditer(text))
+    pairs = _brace_pairs(text) if boxes else {}
+    for m in reversed(boxes):  # a truncated last box must not hide an earlier complete one
+        i = m.end()
+        if text.startswith("{", i):
+            if i not in pairs:
+                continue
+            content = _strip_math(text[i + 1:pairs[i]])
+        else:  # \boxed 5
+            content = _strip_math(re.match(r"[^\s$]*", text[i:]).group(0))
+        if content.lower() not in _PLACEHOLDERS:
+            return content, "boxed"
+    end = len(text)
+    while (i := text.rfind("<answer>", 0, end)) >= 0:  # stop strings cut "</answer>": allow none
+        j = text.find("</answer>", i, end)
+        content = _strip_math(text[i + 8:j if j >= 0 else end])
+        if content.lower() not in _PLACEHOLDERS:
+            return content, "tag"
+        end = i
+    for m in reversed(list(_LINE_RE.finditer(text))):
+        content = _strip_math(m.group(1) or m.group(2))
+        if content.lower() not in _PLACEHOLDERS:
+            return content, "line"
+    nums = _NUM_RE.findall(text) if last_number else []
+    return (nums[-1].replace(",", "").rstrip("."), "number") if nums else (None, None)
+
+
+def extract_answer(text, last_number=False, prompt=None):
+    """The final answer in a response: the last brace-balanced \\boxed{...} or \\fbox{...}, else the
+    last <answer>...</answer> (an unclosed final tag counts: stop strings cut the closing tag), else a
+    'Final Answer:' / 'Answer:' line, else (only if last_number, for GSM8K-style sources) the last
+    number, else None. Intervention sentences and `prompt`, if given, are removed first."""
+    return _extract(text, last_number, prompt)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-checks: reject what would make a parser or sympy hang, before either sees it
+
+_CTRL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _sane(s):
+    """False for what no parser should see: control bytes (NUL), more than MAX_ANSWER_CHARS,
+    unbalanced or 40-deep braces, power towers 9^{9^{9^{...}}} and huge literal exponents."""
+    if not isinstance(s, str) or not s.strip() or len(s) > MAX_ANSWER_CHARS or _CTRL_RE.search(s):
+        return False
+    stack, i = [], 0  # one flag per open brace: does it open an exponent?
+    while i < len(s):
+        c = s[i]
+        if c == "^":
+            level = sum(stack) + 1
+            lit = re.match(r"\s*\{?\s*(\d+)", s[i + 1:])
+            if level >= 3 or (lit and len(lit.group(1)) > (6 if level == 1 else 2)):
+                return False  # sympy would build the integer: 2^{10000000}, 10^{10^{100}}
+            if m := re.match(r"\s*\{", s[i + 1:]):
+                stack.append(True)
+                i += m.end()
+        elif c == "{":
+            stack.append(False)
+        elif c == "}":
+            if not stack:
+                return False
+            stack.pop()
+        elif c == "\\":
+            i += 1  # \{ and \} are literal braces
+        if len(stack) > 40:
+            return False
+        i += 1
+    return not stack
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation: the fast path's view of an answer
+
+_UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u00b0": "^\\circ",
+            "\u221e": "\\infty", "\u222a": "\\cup ", "\u2009": " ", "\u202f": " ", "\u00a0": " ",
+            "\u2007": " ", "\u200b": ""}
+_TEXT_CMD = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|rm|operatorname)"
+_UNIT_TEXT_RE = re.compile(_TEXT_CMD + r"\s*\{\s*[A-Za-z][A-Za-z ./]*\}(?:\^\{?[23]\}?)?\s*(%?)$")
+_UNIT_WORD_RE = re.compile(  # no bare single letters: the gold "6m" is six times m, not 6 metres
+    r"^(.+?)\s*(?:cm|mm|km|inch(?:es)?|feet|foot|ft|yards?|meters?|metres?|miles?|mph|kph|hours?|hrs?"
+    r"|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|years?|dollars?|cents?|degrees?|units?"
+    r"|sq|kg|grams?|lbs?|pounds?|ounces?|oz|liters?|litres?|ml|mL|rad|radians?)(?:\^\{?[23]\}?)?$")
+_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?")
+_PREFIX_RE = re.compile(r"^(?:[A-Za-z](?:_\{[^{}]*\}|_[A-Za-z0-9])?(?:\([A-Za-z]\))?|\\[A-Za-z]+)(?:=|\\in(?![a-z]))")
+
+
+@functools.lru_cache(maxsize=8192)
+def _clean(s):
+    for k, v in _UNICODE.items():
+        s = s.replace(k, v)
+    s = _strip_math(s)
+    s = re.sub(r",\\!\s*", ",", s).replace("\\!", "")  # 10,\!080 is MATH's thousands separator
+    s = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])\.?", "", s)
+    s = re.sub(r"(?<!\\)\\[,;: ]|\\q?quad(?![A-Za-z])|~", " ", s)  # not the row break \\
+    s = re.sub(r"\\\$|\\dollar(?![A-Za-z])|^\$", "", s)  # currency
+    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree", "", s)
+    s = re.sub(r"\\%|%|" + _TEXT_CMD + r"\{\s*percent\s*\}|\s*\bpercent\b", "%", s)
+    s = re.sub(_TEXT_CMD + r"\{\s*(?:and|or)\s*\}|\s+(?:and|or)\s+", ",", s)
+    m = _UNIT_TEXT_RE.search(s)
+    if m and s[:m.start()].strip():  # "5\text{ cm}^2" -> 5, but \text{Evelyn} stays
+        s = s[:m.start()] + m.group(1)
+    s = re.sub(_TEXT_CMD + r"\s*\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12, \frac 59
+    s = re.sub(r"\\frac\s*(\{[^{}]*\})\s*([0-9A-Za-z])", r"\\frac\1{\2}", s)  # \frac{270}7
+    s = re.sub(r"\\sqrt\s*([0-9A-Za-z])", r"\\sqrt{\1}", s)
+    s = re.sub(r"([_^])\{\s*([0-9A-Za-z])\s*\}", r"\1\2", s)  # x^{2} == x^2, 2516_{8} == 2516_8
+    s = re.sub(r"\\geqslant|\\ge(?![A-Za-z])", r"\\geq", s)
+    s = re.sub(r"\\leqslant|\\le(?![A-Za-z])", r"\\leq", s)
+    s = s.replace("bmatrix", "pmatrix").replace("\\infinity", "\\infty")
+    spaced_list = bool(re.search(r",\s", s))  # "100, 200" is a list, "100,200" may be a number
+    s = re.sub(r"\s+", " ", s).strip()
+    s = re.sub(r"(?<![A-Za-z]) | (?![A-Za-z])", "", s)  # math mode ignores spaces, except between letters
+    s = s.rstrip(".")
+    m = _UNIT_WORD_RE.match(s)
+    if m and (_number(m.group(1)) or _THOUSANDS_RE.fullmatch(m.group(1))):  # 5s is not 2x+5s
+        s = m.group(1)
+    if not spaced_list and _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    s = _drop_prefix(s)
+    return s.lower() if re.fullmatch(r"[A-Za-z ]{2,}", s) else s  # words: \text{East} == east
+
+
+def _drop_prefix(s):
+    """x=5 -> 5, f(x)=2x -> 2x, x\\in[1,2] -> [1,2]; an equation with more '=' stays whole."""
+    m = _PREFIX_RE.match(s)
+    return s[m.end():] if m and m.end() < len(s) and "=" not in s[m.end():] else s
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers: exact Fractions, so float noise never decides a reward
+
+_DEC = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_SCI_RE = re.compile(rf"({_DEC})(?:[eE]|(?:\\times|\\cdot|\*)10\^)\{{?([-+]?\d+)\}}?")
+_POW10_RE = re.compile(r"10\^\{?([-+]?\d+)\}?")
+_REPEAT_RE = re.compile(r"(\d*)\.(\d*)\\overline\{(\d+)\}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _number(s):
+    """-> (Fraction, kind, percent) or None; kind "int" (integer gold: exact match), "frac", "dec"."""
+    pct = s.endswith("%")
+    s = s[:-1] if pct else s
+    sign = -1 if s.startswith("-") else 1
+    s = s[1:] if s[:1] in "-+" else s
+    val = kind = None
+    if re.fullmatch(r"\d+", s):
+        val, kind = Fraction(int(s)), "int"  # leading zeros: 025 == 25
+    elif re.fullmatch(_DEC, s):
+        val, kind = Fraction(s), "dec"
+    elif (m := _SCI_RE.fullmatch(s)) and abs(int(m.group(2))) <= 400:
+        val, kind = Fraction(m.group(1)) * Fraction(10) ** int(m.group(2)), "dec"
+    elif (m := _POW10_RE.fullmatch(s)) and abs(int(m.group(1))) <= 400:
+        val, kind = Fraction(10) ** int(m.group(1)), "frac"
+    elif m := _REPEAT_RE.fullmatch(s):  # 0.1\overline{6} = 1/6
+        a, b, r = m.groups()
+        val = int(a or 0) + Fraction(int(b or 0), 10 ** len(b)) + Fraction(int(r), (10 ** len(r) - 1) * 10 ** len(b))
+        kind = "frac"
+    elif re.fullmatch(r"\d*\\frac\{.*\}", s):
+        whole = re.match(r"\d*", s).group(0)  # mixed number: 137\frac{1}{2}
+        pairs, i = _brace_pairs(s), len(whole) + 5
+        j = pairs.get(i, -2) + 1
+        if pairs.get(j) == len(s) - 1:
+            n, d = _number(s[i + 1:j - 1]), _number(s[j + 1:-1])
+            if n and d and d[0] and not (n[2] or d[2]) and (not whole or 0 <= n[0] < d[0]):
+                val, kind = int(whole or 0) + n[0] / d[0], "dec" if "dec" in (n[1], d[1]) else "frac"
+    elif s.count("/") == 1:
+        a, b = (_number(x) if x else None for x in s.split("/"))
+        if a and b and b[0] and not (a[2] or b[2]):
+            val, kind = a[0] / b[0], "dec" if "dec" in (a[1], b[1]) else "frac"
+    if kind is None:
+        return None
+    return sign * val, "int" if kind == "frac" and val.denominator == 1 else kind, pct
+
+
+def _num_eq(p, g):
+    """Exact match for integer golds and for two exact values (448/15626 != 448/15625); within
+    REL_TOL once a decimal is involved. A '%' also allows the /100 reading (8\\% == 0.08)."""
+    tol = g[1] != "int" and "dec" in (p[1], g[1])
+    for a in [p[0]] + ([p[0] / 100] if p[2] else []):
+        for b in [g[0]] + ([g[0] / 100] if g[2] else []):
+            if a == b or (tol and abs(a - b) <= REL_TOL * abs(b)):
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure: tuples, intervals, unions and unordered answer lists, compared item by item
+
+_PM_RE = re.compile(r"\\pm|\\mp")
+
+
+def _split_top(s, sep):
+    """Split on sep outside any bracket. Intervals like [2,5) balance because all kinds count."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        if depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            i = start = i + len(sep)
+            continue
+        depth += 1 if s[i] in "([{" else -1 if s[i] in ")]}" else 0  # \{ \} count as braces
+        i += 1
+    return [p for p in parts + [s[start:]] if p]
+
+
+def _balanced(s):
+    """Brackets in s never close more than they opened and end level, so the bracket just
+    outside s closes at the very end ("(1,2),(3,4)" is not one tuple)."""
+    depth = 0
+    for c in s:
+        depth += 1 if c in "([{" else -1 if c in ")]}" else 0
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def _expand_pm(items):
+    """1 \\pm \\sqrt{19} -> 1+\\sqrt{19}, 1-\\sqrt{19} (items with exactly one \\pm)."""
+    return [x for it in items
+            for x in ((_PM_RE.sub("+", it), _PM_RE.sub("-", it)) if len(_PM_RE.findall(it)) == 1 else (it,))]
+
+
+def _struct(s):
+    """-> (kind, items): "union", "set" (unordered), "seq()", "seq[)", ... (ordered) or "scalar"."""
+    if len(parts := _split_top(s, "\\cup")) > 1:
+        return "union", parts
+    if s.startswith("\\{") and s.endswith("\\}") and _balanced(s[2:-2]):
+        return "set", _expand_pm(_split_top(s[2:-2], ","))
+    if len(items := _split_top(s, ",")) > 1:
+        return "set", _expand_pm(items)
+    if s[:1] in "([" and s[-1:] in ")]" and _balanced(s[1:-1]) and len(inner := _split_top(s[1:-1], ",")) > 1:
+        return "seq" + s[0] + s[-1], inner
+    return ("set", items) if len(items := _expand_pm([s])) == 2 else ("scalar", [s])
+
+
+def _compare(p, g, leaf, depth=0):
+    """True / False, or None when `leaf` could not decide some needed item."""
+    if p == g:
+        return True
+    (pk, pi), (gk, gi) = _struct(p), _struct(g)
+    if pk != gk and "scalar" in (pk, gk) and _number(_leaf_norm(p if pk == "scalar" else g)):
+        return False  # one number against several items
+    if pk != gk or gk == "scalar" or depth > 3 or len(gi) > 40:
+        return leaf(p, g)
+    if len(pi) != len(gi):
+        return False
+    if gk.startswith("seq"):
+        rs = [_compare(a, b, leaf, depth + 1) for a, b in zip(pi, gi)]
+        return False if False in rs else None if None in rs else True
+    used, undecided = [False] * len(pi), False  # unordered: greedy matching suffices for an equivalence
+    for b in gi:
+        for j, a in enumerate(pi):
+            if not used[j] and (r := _compare(a, b, leaf, depth + 1)):
+                used[j] = True
+                break
+            undecided |= not used[j] and r is None
+        else:
+            return None if undecided else False
+    return True
+
+
+_BASE_RE = re.compile(r"((?=[0-9A-Z]*\d)[0-9A-Z]+)_\{?(\d+)\}?")  # 2516_8, 1A_{16}; not x_1
+
+
+def _base_value(m):
+    try:
+        return int(m.group(1), int(m.group(2)))
+    except ValueError:  # a digit the base does not have
+        return None
+
+
+def _leaf_norm(s):
+    s = _drop_prefix(s)  # list items carry their own prefixes: f(x)=x,f(x)=-x
+    return s[1:-1] if len(s) > 2 and s[0] + s[-1] == "()" and "," not in s and _balanced(s[1:-1]) else s
+
+
+def _leaf_fast(p, g):
+    p, g = _leaf_norm(p), _leaf_norm(g)
+    if p == g:
+        return True
+    gb = _BASE_RE.fullmatch(g)
+    if gb and (gv := _base_value(gb)) is not None:  # math-verify drops the base; a bare 2516 counts
+        pb = _BASE_RE.fullmatch(p)
+        return _base_value(pb) == gv if pb else p == gb.group(1)
+    pn, gn = _number(p), _number(g)
+    if pn and gn:
+        return _num_eq(pn, gn)
+    if pn and re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", g)):
+        return False  # gold 6m has a variable; math-verify would strip the m as a unit
+    if re.fullmatch(r"[a-z ]{2,}", p) and re.fullmatch(r"[a-z ]{2,}", g):
+        return False  # two different words
+    return None
+
+
+def _decide_fast(pred, golds):
+    """Fast-path verdict for pred against any of golds: True, False, or None (ask math-verify)."""
+    if not _sane(pred):
+        return False
+    undecided = False
+    for g in filter(_sane, golds):
+        if r := _compare(_clean(pred), _clean(g), _leaf_fast):
+            return True
+        undecided |= r is None
+    return None if undecided else False
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: math-verify in subprocesses that can be killed. The first functions run inside them.
+
+@functools.lru_cache(maxsize=4096)
+def _mv_parse(s):
+    from math_verify import parse
+    # math-verify reads 1.24e-8 as 1.24*E - 8: spell scientific notation out for it
+    s = re.sub(r"(?<![A-Za-z\\])(\d+(?:\.\d*)?)[eE]([-+]?\d+)(?![\d.])", r"\1\\times10^{\2}", s)
+    return parse("\\boxed{" + s + "}", parsing_timeout=None)
+
+
+def _leaf_slow(p, g):
+    if (r := _leaf_fast(p, g)) is not None:
+        return r
+    import sympy
+    from math_verify import verify
+    pp, gp = _mv_parse(_leaf_norm(p)), _mv_parse(_leaf_norm(g))
+    if not pp or not gp:
+        return False
+    a, b = pp[0], gp[0]
+    if isinstance(a, sympy.Number) and isinstance(b, sympy.Number) and a.is_finite and b.is_finite:
+        # math-verify rounds floats to 6 decimals, so .0000673 "equals" .0000672: use our rule
+        fa, fb = (Fraction(int(x.p), int(x.q)) if x.is_Rational else Fraction(str(x)) for x in (a, b))
+        return _num_eq((fa, "dec", False), (fb, "int" if b.is_Integer else "dec", False))
+    return verify(gp, pp, timeout_seconds=None)
+
+
+def _slow_equal(pred, golds):
+    return any(_compare(_clean(pred), _clean(g), _leaf_slow) for g in golds if _sane(g))
+
+
+def _zygote_main(fd):
+    """Zygote: import and warm math-verify once, then fork a ready guard for each request (fork
+    costs milliseconds, an import seconds). Guards share our process group, so when the parent
+    goes away (EOF on the socket, even after a SIGKILL) one killpg also ends guards stuck in C."""
+    import logging
+    import resource
+    logging.disable(logging.WARNING)  # "timeout disabled" warnings are expected: we are the timeout
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # killed guards are reaped by the kernel
+    try:  # a runaway big-int computation fails with MemoryError instead of swapping
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    except (ValueError, OSError):
+        pass
+    sock = socket.socket(fileno=fd)
+    _slow_equal("x^2", [r"\frac{x}{1/x}"])  # pay imports and parser set-up before forking
+    sock.sendall(b"r")
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
+        if not msg:
+            os.killpg(0, signal.SIGKILL)
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            try:
+                _guard_main(*fds)
+            finally:
+                os._exit(0)
+        for f in fds:
+            os.close(f)
+        sock.sendall(pid.to_bytes(4, "little"))
+
+
+def _guard_main(rfd, wfd):
+    """Guard: receive (pred, golds), answer a bool, until the parent closes the pipe."""
+    inp, out = Connection(rfd, writable=False), Connection(wfd, readable=False)
+    while True:
+        try:
+            pred, golds = inp.recv()
+        except EOFError:
+            return
+        try:
+            ok = _slow_equal(pred, golds)
+        except Exception:
+            ok = False
+        out.send(bool(ok))
+
+
+_ZYGOTE = {}  # proc, sock
+_GUARDS = []  # forked guards: [0] serves is_equivalent, all of them serve score_batch
+_LOCK = threading.Lock()
+
+
+def _zygote():
+    if _ZYGOTE and _ZYGOTE["proc"].poll() is None:
+        return _ZYGOTE["sock"]
+    ours, theirs = socket.socketpair()  # not inherited by other children: EOF when we die
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import reward; reward._zygote_main({theirs.fileno()})"
+    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # own process group, out of reach of the terminal's ^C
+    theirs.close()
+    ours.settimeout(STARTUP_S)
+    try:
+        ready = ours.recv(1)
+    except OSError:  # timed out
+        ready = b""
+    if ready != b"r":
+        proc.kill()
+        raise RuntimeError("reward.py: the math-verify worker failed to start (is math-verify installed? "
+                           "see its traceback above)")
+    _ZYGOTE.update(proc=proc, sock=ours)
+    return ours
+
+
+def _start(retry=True):
+    sock = _zygote()
+    r1, w1 = os.pipe()  # parent -> guard (os.pipe fds are not inherited by other children)
+    r2, w2 = os.pipe()  # guard -> parent
+    try:
+        socket.send_fds(sock, [b"f"], [r1, w2])
+        reply = sock.recv(4, socket.MSG_WAITALL)
+    except OSError:
+        reply = b""
+    finally:
+        os.close(r1)
+        os.close(w2)
+    if len(reply) < 4:  # the zygote died: start a new one, once (and never os.kill pid 0)
+        for fd in (w1, r2):
+            os.close(fd)
+        _ZYGOTE["proc"].kill()
+        if retry:
+            return _start(retry=False)
+        raise RuntimeError("reward.py: the math-verify worker keeps dying")
+    pid = int.from_bytes(reply, "little")
+    return {"pid": pid, "send": Connection(w1, readable=False), "recv": Connection(r2, writable=False)}
+
+
+def _restart(i, kill=True):
+    if kill:  # not when it is known dead: its pid may already belong to someone else
+        try:
+            os.kill(_GUARDS[i]["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _GUARDS[i]["send"].close()
+    _GUARDS[i]["recv"].close()
+    _GUARDS[i] = _start()
+
+
+def _run(tasks, workers, timeout):
+    """Verdicts for tasks [(pred, golds)] on `workers` guards, in order. A task gets `timeout`
+    seconds per gold; then its guard is killed (and replaced) and the verdict is False."""
+    out = [False] * len(tasks)
+    with _LOCK:
+        while len(_GUARDS) < workers:
+            _GUARDS.append(_start())
+        todo, busy = list(range(len(tasks)))[::-1], {}  # busy: guard index -> (task, deadline)
+        while todo or busy:
+            for i in range(workers):
+                if todo and i not in busy:
+                    t = todo.pop()
+                    try:
+                        _GUARDS[i]["send"].send(tasks[t])
+                        busy[i] = (t, time.monotonic() + timeout * len(tasks[t][1]))
+                    except OSError:  # it died while idle
+                        todo.append(t)
+                        _restart(i, kill=False)
+            left = min([d for _, d in busy.values()], default=0.0) - time.monotonic()
+            ready = wait([_GUARDS[i]["recv"] for i in busy], max(left, 0.0))
+            for i in list(busy):
+                if _GUARDS[i]["recv"] in ready:
+                    try:
+                        msg = _GUARDS[i]["recv"].recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    out[busy.pop(i)[0]] = bool(msg)
+                    if msg is None:  # it crashed
+                        _restart(i, kill=False)
+                elif time.monotonic() > busy[i][1]:
+                    busy.pop(i)  # over its limit: the verdict stays False
+                    _restart(i)
+    return out
+
+
+def _shutdown():
+    if _ZYGOTE:
+        _ZYGOTE["sock"].close()  # EOF: the zygote kills its guards and itself
+
+
+def _after_fork():
+    global _LOCK
+    _LOCK = threading.Lock()
+    for g in _GUARDS:  # the parent's workers are not ours: drop our copies of their fds
+        g["send"].close()
+        g["recv"].close()
+    _shutdown()
+    _GUARDS.clear()
+    _ZYGOTE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+atexit.register(_shutdown)
+
+
+def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
+    """True if answer `pred` equals gold answer `gold` (a string, or a list of accepted strings).
+    Returns False, never hangs, on malformed input and when a comparison takes longer than
+    `timeout` seconds per gold (enforced by killing the worker process, so any thread may call
+    this). The first call that needs math-verify also waits for it to import (about 1 s), outside
+    the limit. Raises RuntimeError only if that fails (math-verify missing)."""
+    golds = _golds(gold)
+    verdict = _decide_fast(pred, golds)
+    if verdict is None:
+        verdict = _run([(pred, [g for g in golds if _sane(g)])], 1, timeout)[0]
+    return verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+
+_REGISTRY = {"math": (None, False), "gsm8k": (None, False)}  # name -> (fn, batched); None: built-in
+
+
+def register(name, batched=False):
+    """Decorator: use fn for data sources named `name` (or `name_...`, `name-...`, `org/name`).
+    Per item: fn(data_source, response, ground_truth) -> dict or float.
+    batched=True: fn(predictions, references, data_source) -> list of dicts or floats, where
+    predictions are the raw responses and references the ground truths."""
+    def deco(fn):
+        _REGISTRY[name] = (fn, batched)
+        return fn
+    return deco
+
+
+def _lookup(data_source):
+    name = str(data_source)
+    if name in _REGISTRY:
+        return name
+    base = name.rsplit("/", 1)[-1].lower()  # "openai/gsm8k" -> "gsm8k"
+    hits = [k for k in _REGISTRY if base == k.lower() or re.match(re.escape(k.lower()) + r"[_\-.]", base)]
+    return max(hits, key=len) if hits else "math"
+
+
+def _golds(ground_truth):
+    return [str(g) for g in ground_truth] if isinstance(ground_truth, (list, tuple)) else [str(ground_truth)]
+
+
+def _as_result(x):
+    x = x if isinstance(x, dict) else {"score": float(x)}
+    return {"acc": x.get("score", 0.0), "format": 0.0, "has_answer": 0.0, "pred": None, **x}
+
+
+def _math_result(pred, how, acc, format_coef=0.0, length_coef=0.0, length=None, max_length=None):
+    fmt = float(how in ("boxed", "tag"))
+    score = float(acc) - format_coef * (1.0 - fmt)
+    if length_coef:
+        if length is None or not max_length:
+            raise ValueError("reward.py: length_coef needs length= (response tokens) and max_length=")
+        score -= length_coef * float(acc) * min(1.0, length / max_length)
+    return {"score": score, "acc": float(acc), "format": fmt, "has_answer": float(pred is not None), "pred": pred}
+
+
+def math_reward(data_source, response, ground_truth, *, last_number=False, timeout=DEFAULT_TIMEOUT,
+                **terms):
+    """The paper's reward: 1.0 if the extracted answer equals a gold answer, else 0.0.
+    Optional terms, off by default (keywords):
+      format_coef: subtracted when the answer is not in \\boxed{} or <answer> tags (format == 0);
+      length_coef: subtracted from correct answers, times min(1, length / max_length), where
+        length is the response length in tokens and max_length the budget (both required then).
+    score = acc - format_coef * (1 - format) - length_coef * acc * min(1, length / max_length)."""
+    pred, how = _extract(response, last_number)
+    acc = pred is not None and is_equivalent(pred, ground_truth, timeout)
+    return _math_result(pred, how, acc, **terms)
+
+
+def get_reward_fn(data_source):
+    """A per-item function (data_source, response, ground_truth, **kw) -> dict for this source.
+    Unregistered sources get the math reward; gsm8k sources also fall back to the last number.
+    Only the built-in math rewards use the keyword terms."""
+    name = _lookup(data_source)
+    fn, batched = _REGISTRY[name]
+    if fn is None:
+        return functools.partial(math_reward, last_number=name == "gsm8k")
+    if batched:
+        return lambda ds, resp, gt, **kw: _as_result(fn([resp], [gt], ds)[0])
+    return lambda ds, resp, gt, **kw: _as_result(fn(ds, resp, gt))
+
+
+def compute_score(data_source, response, ground_truth, **kw):
+    """Reward of one response: dict with score, acc, format, has_answer, pred. ground_truth is a
+    string or a list of accepted strings; keywords as in math_reward."""
+    return get_reward_fn(data_source)(data_source, response, ground_truth, **kw)
+
+
+def score_batch(data_sources, responses, ground_truths, workers=None, lengths=None,
+                timeout=DEFAULT_TIMEOUT, **terms):
+    """compute_score over a batch, results in input order. What the fast path cannot decide is
+    spread over `workers` worker processes (default: all usable cores), each item still limited
+    to `timeout` seconds per gold; small batches use one worker. lengths: per-item token counts
+    for the length term. data_sources may be one string for the whole batch."""
+    n = len(responses)
+    sources = [data_sources] * n if isinstance(data_sources, str) else list(data_sources)
+    if not len(sources) == len(ground_truths) == n:
+        raise ValueError(f"reward.py: score_batch got {len(sources)} data sources, {n} responses and "
+                         f"{len(ground_truths)} ground truths")
+    out, pending, groups = [None] * n, [], {}
+    for i, (src, resp, gt) in enumerate(zip(sources, responses, ground_truths)):
+        name = _lookup(src)
+        fn, batched = _REGISTRY[name]
+        if batched:
+            groups.setdefault(src, []).append(i)
+        elif fn is not None:
+            out[i] = _as_result(fn(src, resp, gt))
+        else:
+            pred, how = _extract(resp, last_number=name == "gsm8k")
+            out[i] = [pred, how, pred is not None and _decide_fast(pred, _golds(gt))]
+            if out[i][2] is None:
+                pending.append(i)
+    for src, idx in groups.items():
+        fn = _REGISTRY[_lookup(src)][0]
+        for i, s in zip(idx, fn([responses[i] for i in idx], [ground_truths[i] for i in idx], src)):
+            out[i] = _as_result(s)
+    tasks = [(out[i][0], [g for g in _golds(ground_truths[i]) if _sane(g)]) for i in pending]
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(workers, max(1, len(tasks) // 4)) if len(tasks) >= POOL_MIN else 1
+    for i, verdict in zip(pending, _run(tasks, workers, timeout)):
+        out[i][2] = verdict
+    return [_math_result(*o, length=None if lengths is None else lengths[i], **terms)
+            if isinstance(o, list) else o for i, o in enumerate(out)]
