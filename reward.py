@@ -602,7 +602,9 @@ def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
 # ---------------------------------------------------------------------------------------------
 # Rewards
 
-_REGISTRY = {"math": (None, False), "gsm8k": (None, False)}  # name -> (fn, batched); None: built-in
+_REGISTRY = {"math": (None, False), "gsm8k": (None, False), "arith": (None, False)}  # name -> (fn, batched)
+# Built-in sources whose answers are plain numbers in prose: the last number counts when nothing is marked.
+LAST_NUMBER_SOURCES = {"gsm8k", "arith"}
 
 
 def register(name, batched=False):
@@ -659,12 +661,12 @@ def math_reward(data_source, response, ground_truth, *, last_number=False, timeo
 
 def get_reward_fn(data_source):
     """A per-item function (data_source, response, ground_truth, **kw) -> dict for this source.
-    Unregistered sources get the math reward; gsm8k sources also fall back to the last number.
+    Unregistered sources get the math reward; LAST_NUMBER_SOURCES also fall back to the last number.
     Only the built-in math rewards use the keyword terms."""
     name = _lookup(data_source)
     fn, batched = _REGISTRY[name]
     if fn is None:
-        return functools.partial(math_reward, last_number=name == "gsm8k")
+        return functools.partial(math_reward, last_number=name in LAST_NUMBER_SOURCES)
     if batched:
         return lambda ds, resp, gt, **kw: _as_result(fn([resp], [gt], ds)[0])
     return lambda ds, resp, gt, **kw: _as_result(fn(ds, resp, gt))
@@ -696,7 +698,7 @@ def score_batch(data_sources, responses, ground_truths, workers=None, lengths=No
         elif fn is not None:
             out[i] = _as_result(fn(src, resp, gt))
         else:
-            pred, how = _extract(resp, last_number=name == "gsm8k")
+            pred, how = _extract(resp, last_number=name in LAST_NUMBER_SOURCES)
             out[i] = [pred, how, pred is not None and _decide_fast(pred, _golds(gt))]
             if out[i][2] is None:
                 pending.append(i)

@@ -315,6 +315,9 @@ def test_registry_and_fallbacks():
         assert reward.compute_score("gsm8k_test", gsm, "18")["score"] == 1.0  # last-number fallback
         assert reward.compute_score("openai/gsm8k", gsm, "18")["score"] == 1.0
         assert reward.compute_score("math500", gsm, "18")["score"] == 0.0
+        assert reward.compute_score("arith", "So 6 * 3 = 18.", "18")["score"] == 1.0  # synthetic set: same fallback
+        assert [o["score"] for o in reward.score_batch(["arith", "arith"], ["6 * 3 = 18.", "6 * 3 = 19."],
+                                                       ["18", "18"])] == [1.0, 0.0]
         assert reward.compute_score("never_registered", r"\boxed{18}", "18")["score"] == 1.0
         out = reward.score_batch(["my_source", "my_batch", "my_batch", "math500"],
                                  ["abc", "xy", "xyz", r"\boxed{2}"], ["abc", "abc", "abc", "3"])
