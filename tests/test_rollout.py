@@ -1,0 +1,314 @@
+"""Tests for rollout.py on a random tiny Llama (it almost never emits EOS: good for budgets and interventions).
+One vLLM engine and one transformers engine per session; the 2-rank test runs torchrun in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rollout
+from model import load_causal_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LEN = 512  # engine context: small so that the context cap is cheap to reach
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model_dir):
+    """The one vLLM engine of this file; closed at the end so that later test files get the memory and an
+    uninitialised torch.distributed back (vLLM sets up a world-size-1 group in-process)."""
+    engine = rollout.make_engine(tiny_model_dir, kind="vllm", dtype="float32", seed=0, max_model_len=MAX_LEN,
+                                 enforce_eager=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    return rollout.make_engine(tiny_model_dir, kind="hf", dtype="float32", seed=0, max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def tok(vllm_engine):
+    return vllm_engine.tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(f"Question {i}: what is {i} + {7 * i}? Think step by step.") for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def iv(tok):
+    return rollout.intervention_ids(tok, "paper")
+
+
+def find_spans(mask):
+    """Maximal runs of zeros in an action mask -> [(start, end)]."""
+    spans, start = [], None
+    for i, m in enumerate(list(mask) + [1]):
+        if m == 0 and start is None:
+            start = i
+        elif m == 1 and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def check_trajectory(t, iv, turn_tokens, max_turns, max_response_tokens=None):
+    resp, mask, lps = t["response_ids"], t["action_mask"], t["rollout_logprobs"]
+    assert len(resp) == len(mask) == len(lps)
+    spans = find_spans(mask)
+    assert len(spans) == t["interventions"] <= max_turns
+    for s, e in spans:  # every masked span is exactly one intervention, and every intervention is masked
+        assert resp[s:e] == iv
+        assert all(lp == 0.0 for lp in lps[s:e])
+    assert t["turns"] == t["interventions"] + 1
+    # action segments between interventions: one per turn, each within the turn budget, each non-empty
+    bounds = [0] + [x for s, e in spans for x in (s, e)] + [len(resp)]
+    segments = [bounds[i + 1] - bounds[i] for i in range(0, len(bounds), 2)]
+    assert len(segments) == t["turns"]
+    assert all(1 <= n <= turn_tokens for n in segments)
+    assert all(lp < 0 for lp, m in zip(lps, mask) if m)
+    assert t["finished"] != t["truncated"]
+    if max_response_tokens:
+        assert len(resp) <= max_response_tokens
+    assert len(t["prompt_ids"]) + len(resp) <= MAX_LEN
+
+
+# ----------------------------------------------------------------------------- multi-turn machinery
+
+def test_masks_cover_exactly_the_interventions(vllm_engine, prompts, iv):
+    ro = rollout.sample(vllm_engine, prompts, n=2, turn_tokens=8, max_turns=2, temperature=1.0, seed=0,
+                        intervention_ids=iv)
+    assert len(ro) == 2 * len(prompts)
+    assert [(t["prompt_index"], t["sample_index"]) for t in ro] == [(p, j) for p in range(5) for j in range(2)]
+    for t in ro:
+        check_trajectory(t, iv, turn_tokens=8, max_turns=2)
+    # the random model does not stop: every sample used all its interventions and was then cut
+    assert sum(t["interventions"] == 2 and t["truncated"] for t in ro) >= len(ro) - 1
+    assert "Warning! Your previous action is invalid." in ro[0]["response_text"]
+    # samples of one prompt differ; a fixed seed reproduces, another seed does not
+    assert ro[0]["response_ids"] != ro[1]["response_ids"]
+    again = rollout.sample(vllm_engine, prompts, n=2, turn_tokens=8, max_turns=2, temperature=1.0, seed=0,
+                           intervention_ids=iv)
+    assert [t["response_ids"] for t in again] == [t["response_ids"] for t in ro]
+    other = rollout.sample(vllm_engine, prompts, n=2, turn_tokens=8, max_turns=2, temperature=1.0, seed=1,
+                           intervention_ids=iv)
+    assert [t["response_ids"] for t in other] != [t["response_ids"] for t in ro]
+
+
+def test_response_and_context_caps_truncate(vllm_engine, prompts, iv):
+    # response cap: 8 tokens + a 15-token intervention + >= 1 token does not fit in 20 -> cut after turn 1
+    ro = rollout.sample(vllm_engine, prompts[:2], n=1, turn_tokens=8, max_turns=3, max_response_tokens=20,
+                        temperature=1.0, seed=0, intervention_ids=iv)
+    for t in ro:
+        check_trajectory(t, iv, 8, 3, max_response_tokens=20)
+        assert (t["turns"], t["interventions"], t["truncated"]) == (1, 0, True)
+    # the cap is also a per-turn budget: 30 allows 8 + 15 + 7
+    ro = rollout.sample(vllm_engine, prompts[:2], n=1, turn_tokens=8, max_turns=3, max_response_tokens=30,
+                        temperature=1.0, seed=0, intervention_ids=iv)
+    for t in ro:
+        check_trajectory(t, iv, 8, 3, max_response_tokens=30)
+        assert len(t["response_ids"]) == 30 and t["interventions"] == 1
+    # context cap: a prompt 10 tokens short of max_model_len gets one short turn, no intervention
+    long_prompt = (prompts[0] * 100)[:MAX_LEN - 10]
+    (t,) = rollout.sample(vllm_engine, [long_prompt], n=1, turn_tokens=8, max_turns=3, temperature=1.0, seed=0,
+                          intervention_ids=iv)
+    check_trajectory(t, iv, 8, 3)
+    assert len(t["response_ids"]) == 8 and t["truncated"]
+    with pytest.raises(rollout.PromptTooLong):
+        rollout.sample(vllm_engine, [prompts[0] * 200], n=1, turn_tokens=8, intervention_ids=iv)
+
+
+def test_eos_and_stop_strings_finish_a_turn(vllm_engine, hf_engine, prompts, iv, tok):
+    greedy = vllm_engine.generate(prompts[:1], 12, temperature=0)[0][0].token_ids
+    eos = greedy[4]  # pretend the 5th greedy token is EOS: the turn must stop there, EOS kept
+    for engine in (vllm_engine, hf_engine):
+        (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
+                              intervention_ids=iv, eos_ids=[eos])
+        assert t["response_ids"] == greedy[:greedy.index(eos) + 1] and t["finished"] and t["turns"] == 1
+        # no-answer: an EOS without \boxed / <answer> gets the intervention, the model goes on
+        (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
+                              intervention_ids=iv, eos_ids=[eos], intervene_on="no-answer")
+        check_trajectory(t, iv, 12, 2)
+        assert t["interventions"] >= 1 and t["response_ids"][:greedy.index(eos) + 1] == greedy[:greedy.index(eos) + 1]
+    # a stop string: the turn ends on the token that completes it, which stays in the output
+    text = tok.decode(greedy)
+    stop = text[len(tok.decode(greedy[:3])):][:2]  # two characters produced by the 4th token onwards
+    outs = []
+    for engine in (vllm_engine, hf_engine):
+        (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
+                              intervention_ids=iv, stop=[stop])
+        k = len(t["response_ids"])
+        assert stop in tok.decode(t["response_ids"]) and stop not in tok.decode(t["response_ids"][:k - 1])
+        assert t["finished"] and t["turns"] == 1 and t["response_ids"] == greedy[:k]
+        outs.append(t["response_ids"])
+    assert outs[0] == outs[1]
+
+
+def test_greedy_vllm_matches_hf(vllm_engine, hf_engine, prompts, iv):
+    v = vllm_engine.generate(prompts, 16, temperature=0)
+    h = hf_engine.generate(prompts, 16, temperature=0)
+    for (a,), (b,) in zip(v, h):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    # n completions per prompt in one request, each its own stream
+    multi = vllm_engine.generate(prompts[:2], 4, temperature=1.0, seed=[1, 2], n=3)
+    assert [len(o) for o in multi] == [3, 3] and all(len(c.token_ids) == 4 for o in multi for c in o)
+    assert len({tuple(c.token_ids) for c in multi[0]}) == 3
+    kw = dict(n=1, turn_tokens=6, max_turns=2, temperature=0, seed=0, intervention_ids=iv)
+    vs, hs = rollout.sample(vllm_engine, prompts, **kw), rollout.sample(hf_engine, prompts, **kw)
+    assert [t["response_ids"] for t in vs] == [t["response_ids"] for t in hs]
+
+
+def test_rollout_logprobs_match_a_forward_pass(vllm_engine, hf_engine, prompts, iv):
+    ro = rollout.sample(vllm_engine, prompts[:2], n=1, turn_tokens=8, max_turns=1, temperature=0.7, seed=3,
+                        intervention_ids=iv)
+    for t in ro:
+        ids = torch.tensor([t["prompt_ids"] + t["response_ids"]])
+        with torch.no_grad():
+            logits = hf_engine.model(ids).logits[0, len(t["prompt_ids"]) - 1:-1].float() / 0.7  # [R, V]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t["response_ids"])[:, None])[:, 0]
+        mask = torch.tensor(t["action_mask"]).bool()
+        assert torch.allclose(ref[mask], torch.tensor(t["rollout_logprobs"])[mask], atol=1e-4)
+
+
+def test_hf_sampling_is_seeded_and_batch_invariant(hf_engine, prompts, iv):
+    kw = dict(n=2, turn_tokens=5, max_turns=1, temperature=1.0, seed=4, intervention_ids=iv)
+    full = rollout.sample(hf_engine, prompts[:3], **kw)
+    part = rollout.sample(hf_engine, prompts[1:2], prompt_indices=[1], **kw)
+    assert [t["response_ids"] for t in part] == [t["response_ids"] for t in full[2:4]]
+    for t in full:
+        check_trajectory(t, iv, 5, 1)
+
+
+# ----------------------------------------------------------------------------- engine
+
+def test_sync_weights_changes_and_restores(vllm_engine, hf_engine, tiny_model_dir, prompts):
+    base = vllm_engine.generate(prompts, 12, temperature=0)
+    # named_parameters() lists a tied embedding once, as a trainer's export would
+    original = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    try:
+        vllm_engine.sync_weights(perturbed.items())
+        hf_engine.sync_weights(perturbed.items())
+        moved = vllm_engine.generate(prompts, 12, temperature=0)
+        assert [o[0].token_ids for o in moved] != [o[0].token_ids for o in base]
+        # the new weights are the ones in use: vLLM agrees with transformers on the perturbed model
+        assert [o[0].token_ids for o in moved] == [o[0].token_ids for o in hf_engine.generate(prompts, 12, temperature=0)]
+    finally:
+        vllm_engine.sync_weights(original.items())
+        hf_engine.sync_weights(original.items())
+    back = vllm_engine.generate(prompts, 12, temperature=0)
+    assert [o[0].token_ids for o in back] == [o[0].token_ids for o in base]
+    assert [o[0].logprobs for o in back] == [o[0].logprobs for o in base]
+
+
+def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv):
+    with pytest.raises(rollout.RolloutTimeout, match="rollout-timeout"):
+        rollout.sample(vllm_engine, prompts * 4, n=4, turn_tokens=200, temperature=1.0, intervention_ids=iv,
+                       timeout=0.01)
+    with pytest.raises(rollout.RolloutTimeout):
+        hf_engine.generate(prompts, 200, temperature=1.0, timeout=0.01)
+    out = vllm_engine.generate(prompts, 3, temperature=0)  # aborted requests are gone
+    assert len(out) == len(prompts) and all(len(o[0].token_ids) == 3 for o in out)
+
+
+def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path):
+    kwargs = dict(n=2, turn_tokens=6, max_turns=2, temperature=0.0, seed=0, intervention_ids=iv)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(prompts=prompts, max_model_len=MAX_LEN, kwargs=kwargs)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "_rollout_worker.py"), tiny_model_dir, str(spec), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(s["total"] == 2 * len(prompts) for s in shards)  # the gloo all_reduce saw both ranks
+    got = [{t["prompt_index"] for t in s["rollout"]} for s in shards]
+    assert got[0] and got[1] and not got[0] & got[1] and got[0] | got[1] == set(range(len(prompts)))
+    single = {(t["prompt_index"], t["sample_index"]): t for t in rollout.sample(vllm_engine, prompts, **kwargs)}
+    for s in shards:
+        for t in s["rollout"]:
+            ref = single[(t["prompt_index"], t["sample_index"])]
+            assert {k: t[k] for k in ("response_ids", "action_mask", "turns", "interventions", "truncated")} == \
+                   {k: ref[k] for k in ("response_ids", "action_mask", "turns", "interventions", "truncated")}
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def test_to_batch_pads_and_aligns():
+    ro = [dict(prompt_ids=[5, 6, 7], response_ids=[1, 2, 9, 9, 3], action_mask=[1, 1, 0, 0, 1],
+               rollout_logprobs=[-0.5, -0.25, 0.0, 0.0, -1.0]),
+          dict(prompt_ids=[8], response_ids=[4], action_mask=[1], rollout_logprobs=[-2.0])]
+    b = rollout.to_batch(ro, pad_id=0)
+    assert b["prompt_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert b["prompt_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert b["response_ids"].tolist() == [[1, 2, 9, 9, 3], [4, 0, 0, 0, 0]]
+    assert b["response_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert b["action_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]]
+    assert b["rollout_logprobs"].tolist() == [[-0.5, -0.25, 0.0, 0.0, -1.0], [-2.0, 0, 0, 0, 0]]
+    assert rollout.to_batch([dict(prompt_ids=[1], response_ids=[], action_mask=[], rollout_logprobs=[])],
+                            pad_id=0)["response_mask"].shape == (1, 1)
+
+
+def test_prepare_prompts_rejects_or_truncates():
+    ps = [[1, 2, 3], list(range(10))]
+    assert rollout.prepare_prompts(ps, None) == (ps, 0)
+    with pytest.raises(rollout.PromptTooLong, match="prompt 1 has 10 tokens"):
+        rollout.prepare_prompts(ps, 5)
+    assert rollout.prepare_prompts(ps, 5, truncate=True) == ([[1, 2, 3], [5, 6, 7, 8, 9]], 1)
+
+
+def test_shards_are_disjoint_and_cover():
+    for n, w in [(5, 2), (7, 3), (1, 2)]:
+        shards = [rollout.shard_indices(n, r, w) for r in range(w)]
+        assert sorted(i for s in shards for i in s) == list(range(n))
+
+
+def test_has_answer_and_interventions(tok):
+    assert rollout.has_answer("so the result is \\boxed{4}.") and not rollout.has_answer("it is four")
+    ids = rollout.intervention_ids(tok, "reference")
+    assert tok.decode(ids) == "\n\n" + rollout.INTERVENTIONS["reference"] + "\n\n"
+    assert tok.decode(rollout.intervention_ids(tok, "Try again.")) == "\n\nTry again.\n\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "rollout.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_cli_writes_jsonl(tiny_model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    out = tmp_path / "out" / "r.jsonl"
+    proc = run_cli("--model", tiny_model_dir, "--data", str(data), "--limit", "2", "--n", "2", "--max-turns", "1",
+                   "--turn-tokens", "4", "--temperature", "1.0", "--seed", "0", "--out", str(out), "--engine", "hf")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and {r["prompt_index"] for r in rows} == {0, 1}
+    for r in rows:
+        assert {"prompt_ids", "response_ids", "action_mask", "rollout_logprobs", "turns", "interventions", "finished",
+                "truncated", "prompt_index", "response_text"} <= set(r)
+        assert r["turns"] == r["interventions"] + 1 and sum(r["action_mask"]) <= 8
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["trajectories"] == 4 and summary["tokens_per_s"] > 0 and 0 <= summary["intervened"] <= 1
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_cli_errors_exit_2(tiny_model_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = run_cli("--model", tiny_model_dir, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
+    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--n", "0", "--out", str(out))
+    assert proc.returncode == 2 and "--n" in proc.stderr
+    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--intervene-on", "never", "--out", str(out))
+    assert proc.returncode == 2 and "--intervene-on" in proc.stderr
+    assert not out.exists()
