@@ -1,0 +1,574 @@
+"""MuTIS: PPO with multi-turn intervention sampling, on FSDP2 with a colocated vLLM engine.
+
+    torchrun --nproc_per_node 8 train.py --data data/limo --model /path/to/hf_model
+    python train.py --data arith_train --val-data arith_test --steps 2     # one process
+
+Per step: rollout (multi-turn, vLLM) -> score -> ref/old log-probs and values -> token rewards
+-> advantages over action tokens -> PPO epochs (actor, critic) -> sync weights to the engine
+-> log -> validate -> checkpoint. Every rank owns one vLLM engine and samples its own shard of
+the global batch; actor, critic and reference are FSDP2-sharded across ranks.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import data as data_lib
+import ppo
+import reward
+import rollout
+from model import (full_state_dict, init_distributed, load_causal_lm, load_critic, load_tokenizer,
+                   peak_rss_gb, resolve_model, save_critic, save_hf, shard, token_logprobs, values)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    # what to train on
+    a("--model", default="smollm2", help="policy: HF model directory or the 'smollm2' alias")
+    a("--critic-model", default=None, help="critic backbone (default: the policy's)")
+    a("--data", required=True, help="training data: bundled name, .jsonl/.parquet file or a directory")
+    a("--val-data", default=None, help="validation data (same forms as --data)")
+    a("--val-limit", type=int, default=None, help="use only the first N validation prompts")
+    a("--system-prompt", default=None, help="eval | train | none | literal text (default: the eval prompt for raw "
+                                            "problems; parquet prompts as stored)")
+    a("--out", default="runs/mutis", help="output directory: checkpoints, metrics.jsonl, curves.png")
+    # schedule
+    a("--steps", type=int, default=None, help="training steps (overrides --epochs)")
+    a("--epochs", type=int, default=1, help="passes over the training data when --steps is not given")
+    a("--batch-size", type=int, default=64, help="prompts per step, global")
+    # --n is ambiguous to torchrun's own parser (--nnodes, --nproc-per-node ...): use --samples-per-prompt there
+    a("--n", "--samples-per-prompt", dest="n", type=int, default=8, help="samples per prompt")
+    a("--mini-batch-size", type=int, default=None, help="trajectories per optimiser step, global (default: the whole batch)")
+    a("--micro-batch-size", type=int, default=4, help="trajectories per forward/backward on one rank")
+    a("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
+    # optimisation
+    a("--actor-lr", type=float, default=1e-6, help="actor learning rate")
+    a("--critic-lr", type=float, default=1e-5, help="critic learning rate")
+    a("--actor-warmup-ratio", type=float, default=0.95, help="share of steps with linear LR warm-up (actor)")
+    a("--critic-warmup-ratio", type=float, default=0.0, help="share of steps with linear LR warm-up (critic)")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a("--grad-clip", type=float, default=1.0, help="max gradient norm")
+    a("--entropy-coef", type=float, default=0.001, help="entropy bonus coefficient")
+    # algorithm
+    a("--kl-coef", type=float, default=0.001, help="KL penalty coefficient in the token reward")
+    a("--kl-kind", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimator")
+    a("--kl-target", type=float, default=None, help="adaptive KL controller target (default: fixed coefficient)")
+    a("--kl-horizon", type=float, default=10000, help="adaptive KL controller horizon")
+    a("--gamma", type=float, default=1.0, help="discount")
+    a("--lam", type=float, default=1.0, help="GAE lambda")
+    a("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
+    a("--clip-high", type=float, default=0.2, help="PPO ratio clip above 1")
+    a("--dual-clip", type=float, default=None, help="dual-clip constant (> 1) for negative advantages")
+    a("--value-clip", type=float, default=0.5, help="value loss clip")
+    a("--loss-agg", default="token-mean", choices=ppo.AGG_MODES, help="loss aggregation")
+    a("--adv", default="gae", choices=["gae", "grpo", "rloo"], help="advantage estimator (grpo/rloo need no critic)")
+    a("--no-whiten", action="store_true", help="do not whiten GAE advantages")
+    # rollout
+    a("--max-turns", type=int, default=3, help="interventions per trajectory at most (0 = single turn)")
+    a("--turn-tokens", type=int, default=1000, help="token budget of one turn")
+    a("--max-prompt-length", type=int, default=4096, help="longest prompt in tokens")
+    a("--truncate-prompts", action="store_true", help="left-truncate long prompts instead of failing")
+    a("--max-response-length", type=int, default=None, help="cap on all response tokens (default: turns * budget + interventions)")
+    a("--intervention-text", default="paper", help="paper | reference | literal text (both from DESIGN.md)")
+    a("--intervene-on", default="budget", choices=["budget", "no-answer", "both"], help="when to intervene")
+    a("--stop", action="append", default=None, help="stop string that ends a turn (repeatable), e.g. </answer>")
+    a("--temperature", type=float, default=1.0, help="sampling temperature")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling")
+    a("--engine", default="vllm", choices=["vllm", "hf"], help="rollout engine")
+    a("--engine-dtype", default="bfloat16", help="rollout engine dtype")
+    a("--gpu-memory-utilization", type=float, default=0.4, help="vLLM share of GPU memory")
+    a("--enforce-eager", action="store_true", help="vLLM without compilation (faster start)")
+    a("--rollout-timeout", type=float, default=None, help="seconds per engine call before failing")
+    # bookkeeping
+    a("--save-freq", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    a("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    a("--test-freq", type=int, default=0, help="validate every N steps (0 = never)")
+    a("--val-before-train", action="store_true", help="validate before the first step")
+    a("--resume", action="store_true", help="continue from OUT/latest")
+    a("--seed", type=int, default=0, help="seed for data order, sampling and init")
+    a("--grad-checkpointing", action="store_true", help="activation checkpointing")
+    a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")
+    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (params stay fp32)")
+    a("--max-bad-steps", type=int, default=5, help="stop after K non-finite updates in a row")
+    a("--wandb", action="store_true", help="log to Weights & Biases")
+    a("--tensorboard", action="store_true", help="log to OUT/tb")
+    return p.parse_args(argv)
+
+
+def die(msg):
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def lr_lambda(total_steps, warmup_ratio):
+    warmup = int(total_steps * warmup_ratio)
+    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+
+
+def all_reduce_sum(values_list, device):
+    t = torch.tensor(values_list, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def micro_slices(batch, rows, device):
+    """Cut a micro-batch of rows, drop the columns that are padding in all of them, move to device."""
+    prompt_mask = batch["prompt_mask"][rows]                  # [b, P]
+    response_mask = batch["response_mask"][rows]              # [b, R]
+    first = int(prompt_mask.any(0).float().argmax())          # left padding shared by every row
+    last = max(int(response_mask.sum(1).max()), 1)            # right padding shared by every row
+    out = {k: v[rows][:, :last] for k, v in batch.items()
+           if torch.is_tensor(v) and v.dim() == 2 and k not in ("prompt_ids", "prompt_mask")}
+    out["input_ids"] = torch.cat([batch["prompt_ids"][rows][:, first:], batch["response_ids"][rows][:, :last]], 1)
+    out["attention_mask"] = torch.cat([prompt_mask[:, first:], response_mask[:, :last]], 1)
+    out = {k: v.to(device) for k, v in out.items()}
+    out["response_start"] = batch["prompt_ids"].shape[1] - first
+    return out
+
+
+def forward_pass(fn, batch, micro_size, autocast, device):
+    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width."""
+    B, R = batch["response_ids"].shape
+    out = torch.zeros(B, R)
+    for i in range(0, B, micro_size):
+        rows = torch.arange(i, min(i + micro_size, B))
+        with torch.no_grad(), autocast():
+            res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
+        out[rows, :res.shape[1]] = res.cpu()
+    return out
+
+
+def save_checkpoint(args, step, actor, critic, actor_opt, critic_opt, schedulers, tokenizer, state, rank):
+    """Write OUT/step_N via a temporary directory and rename it; then point OUT/latest at it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    out = Path(args.out)
+    final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    save_hf(actor, tokenizer, tmp / "actor")
+    sharded = {"actor": dict(zip(("model", "optim"), get_state_dict(actor, actor_opt)))}
+    if critic is not None:
+        sharded["critic"] = dict(zip(("model", "optim"), get_state_dict(critic, critic_opt)))
+        save_critic(critic, tmp / "critic")
+    dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               tmp / f"rng_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        state = dict(state, step=step, schedulers=[s.state_dict() for s in schedulers])
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        os.replace(tmp, final)
+        link = out / "latest.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)
+        os.replace(link, out / "latest")  # atomic: latest always names a complete checkpoint
+        if args.keep_last:
+            for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-args.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path, actor, critic, actor_opt, critic_opt, schedulers, rank):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    sharded = {"actor": dict(zip(("model", "optim"), get_state_dict(actor, actor_opt)))}
+    if critic is not None:
+        sharded["critic"] = dict(zip(("model", "optim"), get_state_dict(critic, critic_opt)))
+    dcp.load(sharded, checkpoint_id=str(path / "sharded"))
+    set_state_dict(actor, actor_opt, model_state_dict=sharded["actor"]["model"],
+                   optim_state_dict=sharded["actor"]["optim"])
+    if critic is not None:
+        set_state_dict(critic, critic_opt, model_state_dict=sharded["critic"]["model"],
+                       optim_state_dict=sharded["critic"]["optim"])
+    state = json.loads((path / "trainer_state.json").read_text())
+    for sched, sd in zip(schedulers, state["schedulers"]):
+        sched.load_state_dict(sd)
+    rng = torch.load(path / f"rng_rank{rank}.pt", weights_only=False)
+    random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
+    return state
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def validate(engine, val_prompts, val_records, args, intervention_ids, eos_ids, rank, world, device):
+    """Greedy multi-turn on this rank's shard of the validation set; metrics summed over ranks."""
+    idx = list(range(rank, len(val_prompts), world))
+    ro = rollout.sample(engine, [val_prompts[i] for i in idx], prompt_indices=idx, n=1, turn_tokens=args.turn_tokens,
+                        max_turns=args.max_turns, max_response_tokens=args.max_response_length, temperature=0.0,
+                        seed=args.seed, stop=args.stop, intervene_on=args.intervene_on,
+                        intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout)
+    recs = [val_records[t["prompt_index"]] for t in ro]
+    scores = reward.score_batch([r["data_source"] for r in recs], [t["response_text"] for t in ro],
+                                [r["ground_truth"] for r in recs])
+    acc, tokens, turns, count = all_reduce_sum([
+        sum(s["acc"] for s in scores), sum(len(t["response_ids"]) for t in ro),
+        sum(t["turns"] for t in ro), len(scores)], device)
+    return {"val/acc": acc / count, "val/response_length": tokens / count, "val/turns": turns / count}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.stop = args.stop or []
+    rank, world, local_rank, device = init_distributed()
+    master = rank == 0
+    torch.manual_seed(args.seed), random.seed(args.seed), np.random.seed(args.seed)
+    if args.batch_size % world:
+        die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
+    mini_size = args.mini_batch_size or args.batch_size * args.n
+    if mini_size % world or (args.batch_size * args.n) % mini_size:
+        die(f"--mini-batch-size {mini_size} must divide batch_size*n and be divisible by the number of ranks")
+    out = Path(args.out)
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bfloat16" else nullcontext
+
+    # ---- data: every rank sees the same order and takes its own shard of each batch
+    try:
+        train_records = data_lib.load_dataset(args.data, system_prompt=args.system_prompt)
+        val_records = (data_lib.load_dataset(args.val_data, system_prompt=args.system_prompt, limit=args.val_limit)
+                       if args.val_data else [])
+    except data_lib.DataError as e:
+        die(str(e))
+    model_path = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_path)
+    try:  # tokenize once up front: a prompt over --max-prompt-length fails now, not hours in
+        train_prompts, n_cut = rollout.prepare_prompts([data_lib.prompt_ids(tokenizer, r["messages"]) for r in train_records],
+                                                       args.max_prompt_length, args.truncate_prompts)
+        val_prompts, _ = rollout.prepare_prompts([data_lib.prompt_ids(tokenizer, r["messages"]) for r in val_records],
+                                                 args.max_prompt_length, args.truncate_prompts)
+    except rollout.PromptTooLong as e:
+        die(f"--data: {e}")
+    if n_cut and master:
+        print(f"[data] left-truncated {n_cut} prompts to {args.max_prompt_length} tokens", flush=True)
+    steps_per_epoch = len(train_records) // args.batch_size
+    if steps_per_epoch == 0:
+        die(f"--data {args.data}: {len(train_records)} prompts, fewer than --batch-size {args.batch_size}")
+    total_steps = args.steps or steps_per_epoch * args.epochs
+
+    # ---- models: actor, frozen reference, critic (GAE only); fp32 master weights, FSDP2-sharded
+    mp = torch.bfloat16 if (args.dtype == "bfloat16" and device.type == "cuda") else None
+    shard_kw = dict(mixed_precision=mp, offload=args.offload, grad_checkpointing=args.grad_checkpointing)
+    actor = shard(load_causal_lm(model_path).to(device), **shard_kw)
+    ref = shard(load_causal_lm(model_path).to(device), mixed_precision=mp, offload=args.offload)
+    ref.requires_grad_(False)
+    use_critic = args.adv == "gae"
+    critic = shard(load_critic(resolve_model(args.critic_model or args.model)).to(device), **shard_kw) if use_critic else None
+    actor_opt = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if use_critic else None
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(actor_opt, lr_lambda(total_steps, args.actor_warmup_ratio))]
+    if use_critic:
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(critic_opt, lr_lambda(total_steps, args.critic_warmup_ratio)))
+    kl_ctl = (ppo.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
+              else ppo.FixedKLController(args.kl_coef))
+
+    # ---- rollout engine, colocated on this rank
+    intervention_ids = rollout.intervention_ids(tokenizer, args.intervention_text)
+    if args.max_response_length is None:  # every turn at full budget plus every intervention
+        args.max_response_length = (args.max_turns + 1) * args.turn_tokens + args.max_turns * len(intervention_ids)
+    longest_prompt = max(len(p) for p in train_prompts + val_prompts)
+    engine = rollout.make_engine(model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 max_model_len=longest_prompt + args.max_response_length,
+                                 enforce_eager=args.enforce_eager, distributed=world > 1)
+    eos_ids = [tokenizer.eos_token_id]
+
+    start_step, state = 0, {}
+    if args.resume and (out / "latest").exists():
+        ckpt = (out / "latest").resolve()
+        state = load_checkpoint(ckpt, actor, critic, actor_opt, critic_opt, schedulers, rank)
+        kl_ctl.load_state_dict(state["kl_ctl"])
+        start_step = state["step"]
+        if master and (out / "metrics.jsonl").exists():  # forget steps logged after this checkpoint
+            rows = [line for line in open(out / "metrics.jsonl") if json.loads(line)["step"] <= start_step]
+            (out / "metrics.jsonl.tmp").write_text("".join(rows))
+            os.replace(out / "metrics.jsonl.tmp", out / "metrics.jsonl")
+        engine.sync_weights(full_state_dict(actor))
+        if master:
+            print(f"[resume] {ckpt} at step {start_step}", flush=True)
+
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    logger = make_logger(args, out) if master else None
+    val_history = []
+    if args.val_before_train and val_records and start_step == 0:
+        t0 = time.time()
+        m = validate(engine, val_prompts, val_records, args, intervention_ids, eos_ids, rank, world, device)
+        val_history.append((0, m))
+        if master:
+            print(f"[val] step 0  acc {m['val/acc']:.3f}  tokens {m['val/response_length']:.1f}  "
+                  f"turns {m['val/turns']:.2f}  ({time.time() - t0:.1f}s)", flush=True)
+            logger({"step": 0, **m})
+
+    bad_steps = 0
+    for step in range(start_step + 1, total_steps + 1):
+        timer = {}
+        t_step = t0 = time.time()
+
+        # ---- 1. rollout: this rank's share of the global batch, n samples each
+        epoch, pos = divmod(step - 1, steps_per_epoch)
+        order = np.random.default_rng(args.seed + epoch).permutation(len(train_records))
+        batch_idx = [int(i) for i in order[pos * args.batch_size:(pos + 1) * args.batch_size][rank::world]]
+        # seeds depend on (seed, step, prompt, sample, turn) only: any world size samples the same batch
+        trajs = rollout.sample(engine, [train_prompts[i] for i in batch_idx], prompt_indices=batch_idx, n=args.n,
+                               turn_tokens=args.turn_tokens, max_turns=args.max_turns,
+                               max_response_tokens=args.max_response_length, temperature=args.temperature,
+                               top_p=args.top_p, seed=args.seed * 1_000_003 + step, stop=args.stop,
+                               intervene_on=args.intervene_on, intervention_ids=intervention_ids, eos_ids=eos_ids,
+                               timeout=args.rollout_timeout)
+        engine.sleep()  # frees the KV cache for training on GPU; a no-op on CPU
+        batch = rollout.to_batch(trajs, tokenizer.pad_token_id)
+        timer["rollout"] = time.time() - t0
+
+        # ---- 2. score: binary accuracy on the final answer
+        t0 = time.time()
+        recs = [train_records[t["prompt_index"]] for t in trajs]
+        scores_d = reward.score_batch([r["data_source"] for r in recs], [t["response_text"] for t in trajs],
+                                      [r["ground_truth"] for r in recs])
+        scores = torch.tensor([s["score"] for s in scores_d], dtype=torch.float32)  # [B]
+        timer["reward"] = time.time() - t0
+
+        # ---- 3. reference and old log-probs, values (no grad, micro-batched)
+        t0 = time.time()
+        lp = lambda m, mb: token_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["response_start"],  # noqa: E731
+                                          temperature=max(args.temperature, 1e-6))
+        fwd = dict(micro_size=args.micro_batch_size, autocast=autocast, device=device)
+        ref_logprobs = forward_pass(lambda mb: lp(ref, mb), batch, **fwd)                       # [B, R]
+        old_logprobs = forward_pass(lambda mb: lp(actor, mb), batch, **fwd)                     # [B, R]
+        old_values = (forward_pass(lambda mb: values(critic, mb["input_ids"], mb["attention_mask"],
+                                                     mb["response_start"]), batch, **fwd)
+                      if use_critic else None)                                                # [B, R]
+        timer["logprobs"] = time.time() - t0
+
+        # ---- 4. token rewards and advantages, over action tokens only
+        action_mask = batch["action_mask"].float()                                  # [B, R]
+        kl = ppo.kl_penalty(old_logprobs, ref_logprobs, args.kl_kind)               # [B, R]
+        rewards = ppo.token_rewards(scores, kl, action_mask, kl_ctl.value)          # [B, R]
+        if use_critic:
+            advantages, returns = ppo.compute_gae(rewards, old_values, action_mask, args.gamma, args.lam)
+            if not args.no_whiten:
+                advantages = global_whiten(advantages, action_mask, device)
+        else:
+            group_ids = torch.tensor([t["prompt_index"] for t in trajs])
+            advantages, returns = ppo.group_advantages(scores, group_ids, action_mask, args.adv), None
+        batch.update(old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
+        if use_critic:
+            batch.update(old_values=old_values, returns=returns)
+
+        # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
+        t0 = time.time()
+        stats, grad_norms, skipped = [], [], 0
+        local_mini = mini_size // world
+        gen = torch.Generator().manual_seed(args.seed + step)
+        for _ in range(args.ppo_epochs):
+            perm = torch.randperm(len(trajs), generator=gen)
+            for start in range(0, len(trajs), local_mini):
+                mini = perm[start:start + local_mini]
+                ok, s, gn = ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device)
+                stats.append(s), grad_norms.append(gn)
+                skipped += not ok
+        for sched in schedulers:
+            sched.step()
+        bad_steps = bad_steps + 1 if skipped else 0
+        timer["update"] = time.time() - t0
+
+        # ---- 6. sync the new weights into the engine
+        t0 = time.time()
+        engine.wake_up()
+        engine.sync_weights(full_state_dict(actor))
+        timer["sync"] = time.time() - t0
+
+        # ---- 7. log
+        n_tokens = int(batch["response_mask"].sum())
+        local = [float(scores.sum()), sum(s["acc"] for s in scores_d), float(batch["response_mask"].sum(1).sum()),
+                 sum(t["turns"] for t in trajs), sum(t["interventions"] for t in trajs),
+                 sum(t["truncated"] for t in trajs), float((kl * action_mask).sum()), float(action_mask.sum()),
+                 len(trajs), n_tokens]
+        (score_sum, acc_sum, len_sum, turn_sum, int_sum, trunc_sum, kl_sum, act_sum, count,
+         tok_sum) = all_reduce_sum(local, device)
+        timer["step"] = time.time() - t_step
+        kl_ctl.update(kl_sum / max(act_sum, 1), args.batch_size * args.n)
+        metrics = {"step": step, "reward/mean": score_sum / count, "acc/mean": acc_sum / count,
+                   "response_length/mean": len_sum / count, "turns/mean": turn_sum / count,
+                   "interventions/mean": int_sum / count, "truncated/share": trunc_sum / count,
+                   "kl": kl_sum / max(act_sum, 1), "kl_coef": kl_ctl.value,
+                   "actor_lr": schedulers[0].get_last_lr()[0], "grad_norm": float(np.mean(grad_norms)),
+                   "skipped_updates": skipped, "throughput/tokens_per_s": tok_sum / timer["step"],
+                   "peak_rss_gb": peak_rss_gb()}
+        for key in stats[0]:
+            metrics[key] = float(np.mean([s[key] for s in stats]))
+        metrics.update({f"time/{k}": v for k, v in timer.items()})
+
+        if args.test_freq and val_records and (step % args.test_freq == 0 or step == total_steps):
+            t0 = time.time()
+            m = validate(engine, val_prompts, val_records, args, intervention_ids, eos_ids, rank, world, device)
+            val_history.append((step, m))
+            metrics.update(m, **{"time/validate": time.time() - t0})
+        if master:
+            logger(metrics)
+            print(format_line(metrics, total_steps), flush=True)
+
+        if bad_steps >= args.max_bad_steps:
+            die(f"{bad_steps} steps in a row had a non-finite loss or gradient norm; stopping "
+                f"(last good checkpoint: {out / 'latest'})")
+        stop = bool(all_reduce_sum([float(bool(stop_requested))], device)[0])
+        if (args.save_freq and step % args.save_freq == 0) or step == total_steps or stop:
+            t0 = time.time()
+            save_checkpoint(args, step, actor, critic, actor_opt, critic_opt, schedulers, tokenizer,
+                            {"kl_ctl": kl_ctl.state_dict(), "data_position": step * args.batch_size,
+                             "args": vars(args)}, rank)
+            if master:
+                print(f"[ckpt] step {step} -> {out}/step_{step:06d} ({time.time() - t0:.1f}s)", flush=True)
+        if stop:
+            if master:
+                print(f"[signal] SIGTERM: checkpointed step {step}, exiting", flush=True)
+            break
+
+    if master:
+        report(val_history, out)
+    engine.close()  # vLLM's teardown also destroys the default process group under torchrun
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device):
+    """One optimiser step of the actor (and critic) on a mini-batch of trajectories."""
+    mini_tokens = float(batch["action_mask"][mini].sum())
+    stats, grad_norm = {}, float("nan")
+    for model, opt in ((actor, actor_opt), (critic, critic_opt)):
+        if model is None:
+            continue
+        opt.zero_grad(set_to_none=True)
+        finite = True
+        for i in range(0, len(mini), args.micro_batch_size):
+            rows = mini[i:i + args.micro_batch_size]
+            mb = micro_slices(batch, rows, device)
+            mask = mb["action_mask"]                                          # [b, r]
+            # weight so that accumulated micro-batch losses equal the mini-batch aggregate
+            weight = float(mask.sum()) / max(mini_tokens, 1.0) if args.loss_agg == "token-mean" else len(rows) / len(mini)
+            with autocast():
+                if model is actor:
+                    logprobs, entropy = token_logprobs(actor, mb["input_ids"], mb["attention_mask"], mb["response_start"],
+                                                       temperature=max(args.temperature, 1e-6), with_entropy=True)
+                    pg, s = ppo.policy_loss(logprobs.float(), mb["old_logprobs"], mb["advantages"], mask,
+                                            args.clip_low, args.clip_high, args.dual_clip, args.loss_agg)
+                    ent = ppo.agg_loss(entropy.float(), mask, args.loss_agg)
+                    loss = pg - args.entropy_coef * ent
+                    s.update(pg_loss=pg.detach(), entropy=ent.detach())
+                else:
+                    v = values(critic, mb["input_ids"], mb["attention_mask"], mb["response_start"])
+                    loss, s = ppo.value_loss(v.float(), mb["old_values"], mb["returns"], mask, args.value_clip,
+                                             args.loss_agg)
+                    s.update(vf_loss=loss.detach())
+            (loss * weight).backward()
+            finite = finite and math.isfinite(float(loss.detach()))
+            for k, val in s.items():
+                stats[k] = stats.get(k, 0.0) + float(val) * weight
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        grad_norm = gn if model is actor else grad_norm
+        if not (finite and math.isfinite(gn)):
+            opt.zero_grad(set_to_none=True)
+            print(f"[warn] non-finite loss or grad norm ({gn}); update skipped", file=sys.stderr, flush=True)
+            return False, stats, float("nan")
+        opt.step()
+    return True, stats, grad_norm
+
+
+def global_whiten(x, mask, device):
+    """Whiten over the action tokens of every rank, so that advantages share one scale."""
+    s, s2, n = all_reduce_sum([float((x * mask).sum()), float((x * x * mask).sum()), float(mask.sum())], device)
+    mean = s / max(n, 1)
+    std = math.sqrt(max(s2 / max(n, 1) - mean * mean, 0.0))
+    return (x - mean) / (std + 1e-8) * mask
+
+
+def make_logger(args, out):
+    """Append one JSON object per step to OUT/metrics.jsonl (and wandb / tensorboard when asked)."""
+    sinks = []
+    if args.wandb:
+        import wandb
+        wandb.init(project="mutis", config=vars(args), dir=str(out))
+        sinks.append(lambda m: wandb.log(m, step=m["step"]))
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(str(out / "tb"))
+        sinks.append(lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items() if k != "step"])
+
+    def log(metrics):
+        metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+        with open(out / "metrics.jsonl", "a") as f:  # strict JSON: NaN (e.g. explained_var of constant returns) -> null
+            f.write(json.dumps(metrics) + "\n")
+        for sink in sinks:
+            sink(metrics)
+    return log
+
+
+def format_line(m, total_steps):
+    t = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
+    line = (f"step {m['step']}/{total_steps} | reward {m['reward/mean']:.3f} acc {m['acc/mean']:.3f} "
+            f"len {m['response_length/mean']:.0f} turns {m['turns/mean']:.2f} int {m['interventions/mean']:.2f} "
+            f"| kl {m['kl']:.4f} pg {m.get('pg_loss', 0):.4f} vf {m.get('vf_loss', 0):.4f} "
+            f"clip {m.get('clipfrac', 0):.3f} ent {m.get('entropy', 0):.3f} gn {m['grad_norm']:.2f} "
+            f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s")
+    if "val/acc" in m:
+        line += f" | val acc {m['val/acc']:.3f} len {m['val/response_length']:.0f}"
+    return line
+
+
+def report(val_history, out):
+    """Before/after validation summary and OUT/curves.png."""
+    if len(val_history) >= 2:
+        (s0, a), (s1, b) = val_history[0], val_history[-1]
+        print(f"[val] step {s0} -> {s1}: acc {a['val/acc']:.3f} -> {b['val/acc']:.3f} "
+              f"({100 * (b['val/acc'] - a['val/acc']):+.1f} pts), tokens {a['val/response_length']:.1f} -> "
+              f"{b['val/response_length']:.1f} ({100 * (b['val/response_length'] / max(a['val/response_length'], 1e-9) - 1):+.0f}%), "
+              f"turns {a['val/turns']:.2f} -> {b['val/turns']:.2f}", flush=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+    rows = [r for r in rows if "reward/mean" in r]
+    if not rows:
+        return
+    keys = ["reward/mean", "acc/mean", "response_length/mean", "turns/mean"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    for ax, key in zip(axes, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+        ax.set_title(key), ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png.tmp.png")
+    os.replace(out / "curves.png.tmp.png", out / "curves.png")
+
+
+if __name__ == "__main__":
+    main()
