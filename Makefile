@@ -30,9 +30,19 @@ model: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores,
+# ~15 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;
+# GRPO (no critic) and a high LR because a CPU affords only a few steps. Validation is greedy
+# multi-turn on 64 held-out problems, before and after.
+DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test --val-limit 64 \
+	--steps 8 --batch-size 8 --samples-per-prompt 4 --micro-batch-size 8 \
+	--max-turns 2 --turn-tokens 64 --adv grpo --actor-lr 2e-5 --actor-warmup-ratio 0 \
+	--val-before-train --test-freq 8 --enforce-eager --out runs/demo
+
 demo: $(STAMP)
 	$(PY) model.py prepare
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 train.py --demo
+	rm -rf runs/demo
+	$(PY) train.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) models
