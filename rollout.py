@@ -123,17 +123,22 @@ class VLLMEngine:
 
         m = len(prompt_token_ids)
         eos_ids = [self.tokenizer.eos_token_id] if eos_ids is None else list(eos_ids)
-        params = [SamplingParams(n=n, max_tokens=mt, temperature=temperature, top_p=top_p, seed=s,
+        # n > 1 becomes n requests of one completion each (seed + k): every completion is its own stream,
+        # and the step loop below sees one finished output per request.
+        flat = [(i, k) for i in range(m) for k in range(n)]
+        max_tokens, seed = _per_prompt(max_tokens, m), _per_prompt(seed, m)
+        params = [SamplingParams(n=1, max_tokens=max_tokens[i], temperature=temperature, top_p=top_p,
+                                 seed=None if seed[i] is None else seed[i] + k,
                                  stop=list(stop) or None, include_stop_str_in_output=True,
                                  ignore_eos=True, stop_token_ids=eos_ids,  # exactly eos_ids stop a turn
                                  logprobs=0, detokenize=bool(stop))  # text only for stop-string matching
-                  for mt, s in zip(_per_prompt(max_tokens, m), _per_prompt(seed, m))]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+                  for i, k in flat]
+        prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])) for i, _ in flat]
         deadline = _deadline(timeout)
         engine = self.llm.llm_engine
         # add_request + our own step loop (what LLM.generate does) so the deadline is checked every step.
         self.calls += 1
-        req_ids = [f"{self.calls}-{i}" for i in range(m)]
+        req_ids = [f"{self.calls}-{i}-{k}" for i, k in flat]
         for rid, prompt, param in zip(req_ids, prompts, params):
             engine.add_request(rid, prompt, param)
         done = {}
@@ -142,15 +147,15 @@ class VLLMEngine:
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                _check_deadline(deadline, timeout, len(done), m)
+                _check_deadline(deadline, timeout, len(done), len(flat))
         except BaseException:
             engine.abort_request([r for r in req_ids if r not in done])
             raise
-        results = []
-        for rid in req_ids:
-            outs = sorted(done[rid].outputs, key=lambda o: o.index)
-            results.append([Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
-                                       o.finish_reason == "stop") for o in outs])
+        results = [[] for _ in range(m)]
+        for rid, (i, _) in zip(req_ids, flat):
+            o = done[rid].outputs[0]
+            results[i].append(Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
+                                         o.finish_reason == "stop"))
         return results
 
     def sleep(self, level=1):
