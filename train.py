@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import data as data_lib
 import ppo
 import reward
 import rollout
-from model import (full_state_dict, init_distributed, load_causal_lm, load_critic, load_tokenizer,
+from model import (die, full_state_dict, init_distributed, load_causal_lm, load_critic, load_tokenizer,
                    peak_rss_gb, resolve_model, save_critic, save_hf, shard, token_logprobs, values)
 
 
@@ -106,11 +105,6 @@ def parse_args(argv=None):
     a("--wandb", action="store_true", help="log to Weights & Biases")
     a("--tensorboard", action="store_true", help="log to OUT/tb")
     return p.parse_args(argv)
-
-
-def die(msg):
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 # ----------------------------------------------------------------------------- helpers
