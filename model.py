@@ -30,7 +30,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def die(msg):
-    print(f"error: {msg}", file=sys.stderr)
+    """A bad input: one line on stderr, exit code 2."""
+    print(f"error: {msg}".replace("\n", " "), file=sys.stderr)
     raise SystemExit(2)
 
 
