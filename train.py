@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import data as data_lib
 import ppo
@@ -136,11 +137,12 @@ def micro_slices(batch, rows, device):
     return out
 
 
-def forward_pass(fn, batch, micro_size, autocast, device):
-    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width."""
+def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
+    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width.
+    desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
     B, R = batch["response_ids"].shape
     out = torch.zeros(B, R)
-    for i in range(0, B, micro_size):
+    for i in tqdm(range(0, B, micro_size), desc=desc, disable=desc is None, leave=False, unit="micro"):
         rows = torch.arange(i, min(i + micro_size, B))
         with torch.no_grad(), autocast():
             res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
@@ -215,7 +217,8 @@ def validate(engine, val_prompts, val_records, args, intervention_ids, eos_ids, 
     ro = rollout.sample(engine, [val_prompts[i] for i in idx], prompt_indices=idx, n=1, turn_tokens=args.turn_tokens,
                         max_turns=args.max_turns, max_response_tokens=args.max_response_length, temperature=0.0,
                         seed=args.seed, stop=args.stop, intervene_on=args.intervene_on,
-                        intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout)
+                        intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout,
+                        desc="validate" if rank == 0 else None)
     recs = [val_records[t["prompt_index"]] for t in ro]
     scores = reward.score_batch([r["data_source"] for r in recs], [t["response_text"] for t in ro],
                                 [r["ground_truth"] for r in recs])
@@ -324,6 +327,7 @@ def main(argv=None):
     for step in range(start_step + 1, total_steps + 1):
         timer = {}
         t_step = t0 = time.time()
+        bar_label = (lambda phase: f"step {step} {phase}") if master else (lambda phase: None)  # tqdm on rank 0
 
         # ---- 1. rollout: this rank's share of the global batch, n samples each
         epoch, pos = divmod(step - 1, steps_per_epoch)
@@ -335,7 +339,7 @@ def main(argv=None):
                                max_response_tokens=args.max_response_length, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed * 1_000_003 + step, stop=args.stop,
                                intervene_on=args.intervene_on, intervention_ids=intervention_ids, eos_ids=eos_ids,
-                               timeout=args.rollout_timeout)
+                               timeout=args.rollout_timeout, desc=bar_label("rollout"))
         engine.sleep()  # frees the KV cache for training on GPU; a no-op on CPU
         batch = rollout.to_batch(trajs, tokenizer.pad_token_id)
         timer["rollout"] = time.time() - t0
@@ -353,10 +357,10 @@ def main(argv=None):
         lp = lambda m, mb: token_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["response_start"],  # noqa: E731
                                           temperature=max(args.temperature, 1e-6))
         fwd = dict(micro_size=args.micro_batch_size, autocast=autocast, device=device)
-        ref_logprobs = forward_pass(lambda mb: lp(ref, mb), batch, **fwd)                       # [B, R]
-        old_logprobs = forward_pass(lambda mb: lp(actor, mb), batch, **fwd)                     # [B, R]
+        ref_logprobs = forward_pass(lambda mb: lp(ref, mb), batch, **fwd, desc=bar_label("ref logprobs"))   # [B, R]
+        old_logprobs = forward_pass(lambda mb: lp(actor, mb), batch, **fwd, desc=bar_label("old logprobs"))  # [B, R]
         old_values = (forward_pass(lambda mb: values(critic, mb["input_ids"], mb["attention_mask"],
-                                                     mb["response_start"]), batch, **fwd)
+                                                     mb["response_start"]), batch, **fwd, desc=bar_label("values"))
                       if use_critic else None)                                                # [B, R]
         timer["logprobs"] = time.time() - t0
 
@@ -368,9 +372,9 @@ def main(argv=None):
             advantages, returns = ppo.compute_gae(rewards, old_values, action_mask, args.gamma, args.lam)
             if not args.no_whiten:
                 advantages = global_whiten(advantages, action_mask, device)
-        else:
+        else:  # the group baseline sees each sequence's total reward: score - kl_coef * sum of its token KLs
             group_ids = torch.tensor([t["prompt_index"] for t in trajs])
-            advantages, returns = ppo.group_advantages(scores, group_ids, action_mask, args.adv), None
+            advantages, returns = ppo.group_advantages(rewards.sum(1), group_ids, action_mask, args.adv), None
         batch.update(old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
         if use_critic:
             batch.update(old_values=old_values, returns=returns)
@@ -380,6 +384,8 @@ def main(argv=None):
         stats, grad_norms, skipped = [], [], 0
         local_mini = mini_size // world
         gen = torch.Generator().manual_seed(args.seed + step)
+        progress = tqdm(total=args.ppo_epochs * math.ceil(len(trajs) / local_mini), desc=bar_label("update"),
+                        disable=not master, leave=False, unit="mini")
         for _ in range(args.ppo_epochs):
             perm = torch.randperm(len(trajs), generator=gen)
             for start in range(0, len(trajs), local_mini):
@@ -387,6 +393,8 @@ def main(argv=None):
                 ok, s, gn = ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device)
                 stats.append(s), grad_norms.append(gn)
                 skipped += not ok
+                progress.update()
+        progress.close()
         for sched in schedulers:
             sched.step()
         bad_steps = bad_steps + 1 if skipped else 0
@@ -550,14 +558,20 @@ def report(val_history, out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
-    rows = [r for r in rows if "reward/mean" in r]
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+    rows = [r for r in logged if "reward/mean" in r]
+    val_rows = [r for r in logged if r.get("val/acc") is not None]
     if not rows:
         return
-    keys = ["reward/mean", "acc/mean", "response_length/mean", "turns/mean"]
+    # training rollouts (sampled) and, where it ran, validation (greedy) on the same axes
+    keys = [("reward/mean", None), ("acc/mean", "val/acc"), ("response_length/mean", "val/response_length"),
+            ("turns/mean", "val/turns")]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, key in zip(axes, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+    for ax, (key, val_key) in zip(axes, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o", label="train")
+        if val_key and val_rows:
+            ax.plot([r["step"] for r in val_rows], [r[val_key] for r in val_rows], marker="s", label="validation")
+            ax.legend()
         ax.set_title(key), ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out / "curves.png.tmp.png")
