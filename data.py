@@ -51,6 +51,7 @@ TRAIN_SETS = {
     "aime_train": "data/aime_1983_2023_train.jsonl",
 }
 ARITH_SETS = {"arith_train": ("train", 1000), "arith_test": ("test", 100)}  # generated on the fly, seed 42
+BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS)  # every name load_dataset takes besides a path
 ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -269,8 +270,8 @@ def load_dataset(spec, system_prompt=None, limit=None):
         records = _load_problems(_iter_rows(path), path, problem_system, spec)
     else:
         if not Path(spec).exists() and "/" not in spec and Path(spec).suffix not in SUFFIXES:
-            names = ", ".join([*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS])
-            raise DataError(f"unknown dataset {spec!r}: neither a bundled name ({names}) nor an existing path")
+            raise DataError(f"unknown dataset {spec!r}: neither a bundled name ({', '.join(BUNDLED)}) "
+                            "nor an existing path")
         path = _check_path(spec)
         records = (_load_parquet(path, system) if path.suffix == ".parquet"
                    else _load_problems(_iter_rows(path), path, problem_system))

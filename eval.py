@@ -428,10 +428,9 @@ def main(argv=None):
     t0 = time.time()
     # validate everything before the first (slow) engine start
     benches = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    bundled = {**data.BENCHMARKS, **data.TRAIN_SETS, **data.ARITH_SETS}  # every name train.py's --data takes
-    for b in benches:
-        if b not in bundled and not Path(b).exists():
-            die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(bundled)}; or a dataset path)")
+    for b in benches:  # every name train.py's --data takes
+        if b not in data.BUNDLED and not Path(b).exists():
+            die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(data.BUNDLED)}; or a dataset path)")
     for c in args.checkpoints:
         if c not in ALIASES and not any((Path(c) / sub / "config.json").exists() for sub in ("", "actor")):
             die(f"checkpoint {c}: not a Hugging Face model directory, a training checkpoint (actor/config.json) "

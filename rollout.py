@@ -185,7 +185,6 @@ class HFEngine:
     """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
 
     def __init__(self, model_path, dtype="float32", seed=0, max_model_len=None, device=None):
-
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
