@@ -32,11 +32,13 @@ test: $(STAMP)
 
 # The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores,
 # ~12 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;
-# GRPO (no critic: a zero-initialised critic learns nothing in 12 steps), a high LR with no
-# warm-up and temperature 0.8 because a CPU affords only a few steps. Validation is greedy
-# multi-turn on the 100 held-out problems, before and after.
-DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test \
-	--steps 12 --batch-size 4 --samples-per-prompt 6 --micro-batch-size 8 \
+# the reference turn rule (an answerless turn gets an intervention) with the 'answer-line'
+# prompt, whose one worked example gets the 135M model to write 'Answer:' at all; GRPO (no
+# critic: a zero-initialised critic learns nothing in 12 steps) with one optimiser step per
+# batch, a high LR with no warm-up and temperature 0.8 because a CPU affords only a few steps.
+# Validation is greedy multi-turn on the 100 held-out problems, before and after.
+DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test --system-prompt answer-line \
+	--steps 12 --batch-size 4 --samples-per-prompt 6 --micro-batch-size 8 --mini-batch-size 24 \
 	--max-turns 2 --turn-tokens 64 --adv grpo --actor-lr 3e-5 --actor-warmup-ratio 0 --temperature 0.8 \
 	--val-before-train --test-freq 12 --enforce-eager --out runs/demo
 

@@ -36,6 +36,10 @@ SYSTEM_PROMPTS = {
     "eval": "Please reason step by step, and put your final answer within \\boxed{}.",
     "train": "Answer the given math question. Please reason step by step and put the final answer in \\boxed{}.",
     "none": None,
+    # The demo's: SmolLM2-135M almost never writes \boxed{} or 'Answer:' unprompted (the turn rule then sees no
+    # answer at all); one worked example in the system turn gets it to about 1 in 5, leaving RL room to act.
+    "answer-line": "Solve the problem. End your reply with a line 'Answer: <number>'.\n"
+                   "Example:\nWhat is 3 + 4?\n3 + 4 = 7.\nAnswer: 7",
 }
 BENCHMARKS = {
     "math500": "data/math500.jsonl",

@@ -10,7 +10,7 @@ Sections, in the order train.py uses them:
   1. masked statistics     masked_mean, masked_var, masked_whiten
   2. rewards               kl_penalty, token_rewards
   3. advantages            compute_gae, group_advantages
-  4. losses                agg_loss, policy_loss, value_loss
+  4. losses                agg_loss, policy_loss, kl_loss, value_loss
   5. KL coefficient        FixedKLController, AdaptiveKLController
 
 Loss statistics are returned as 0-dim detached tensors (not python floats), so a training
@@ -207,6 +207,18 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, clip_low=0.2, c
             "ratio_max": torch.where(mask, ratio, torch.zeros_like(ratio)).max(),  # 0 if no action
         }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def kl_loss(logprobs, ref_logprobs, action_mask, kind="k3", agg="token-mean"):
+    """KL(pi || pi_ref) as a loss term instead of a reward (GRPO, Shao et al. 2024, eq. 3, k3 by default).
+    For k3 the log-ratio is clamped to [-20, 20] and the per-token value to [-10, 10], as veRL clamps its
+    low-variance KL, so one token the reference finds near-impossible cannot blow up the loss. # scalar"""
+    if kind == "k3":
+        log_ratio = (logprobs - ref_logprobs).clamp(-20, 20)  # [B, T]
+        kl = torch.clamp(torch.exp(-log_ratio) + log_ratio - 1, -10, 10)
+    else:
+        kl = kl_penalty(logprobs, ref_logprobs, kind)
+    return agg_loss(kl, action_mask, agg)
 
 
 def value_loss(values, old_values, returns, action_mask, clip=0.5, agg="token-mean"):

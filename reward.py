@@ -16,7 +16,7 @@ Answers go through three layers, cheapest first:
    the main thread, so they are disabled (parsing_timeout=None, timeout_seconds=None) and the
    kill is the limit: it works from any thread and inside torchrun workers.
 
-Public API: extract_answer, is_equivalent, compute_score, register, get_reward_fn, score_batch.
+Public API: find_answer, extract_answer, is_equivalent, compute_score, register, get_reward_fn, score_batch.
 """
 import atexit
 import functools
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import namedtuple
 from fractions import Fraction
 from multiprocessing.connection import Connection, wait
 
@@ -50,6 +51,7 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
 _ECHO_RE = re.compile(r"<answer>\s*(?:and|or)\s*</answer>")  # prompt text that names the tags
 _LINE_RE = re.compile(r"(?im)^[ \t>#*_-]*(?:final\s+)?answer[ \t*_]*:[ \t*_]*(.*\S)|final answer is:?\s*(.*\S)")
 _NUM_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_COLON_RE = re.compile(r"(?i)\b(?:final\s+)?answer\s*:")  # the reference's (?:Answer|Final Answer)\s*:
 _PLACEHOLDERS = {"", "answer", "your answer", "final answer", "your final answer", "...", "?"}
 
 
@@ -78,46 +80,93 @@ def _strip_math(s):
     return s.rstrip(".").strip()
 
 
-def _extract(text, last_number=False, prompt=None):
-    """-> (answer or None, how) with how in {"boxed", "tag", "line", "number", None}."""
-    if not isinstance(text, str):
-        return None, None
-    for s in INTERVENTIONS + ((prompt,) if prompt else ()):  # never mistake these for an answer
-        text = text.replace(s, " ")
-    text = _ECHO_RE.sub(" ", text)
+Answer = namedtuple("Answer", "text how end")  # the answer, its form (boxed|tag|line|number), where it ends
+
+
+def _blank(text, prompt=None):
+    """Blank out intervention sentences, the prompt and tag echoes, keeping every offset in place."""
+    for s in INTERVENTIONS + ((prompt,) if prompt else ()):
+        text = text.replace(s, " " * len(s))
+    return _ECHO_RE.sub(lambda m: " " * len(m.group(0)), text)
+
+
+def _box_content(text, m, pairs):
+    """(content, end) of the \\boxed at match m, or None when its brace is not closed yet."""
+    i = m.end()
+    if text.startswith("{", i):
+        return (_strip_math(text[i + 1:pairs[i]]), pairs[i] + 1) if i in pairs else None
+    token = re.match(r"[^\s$]*", text[i:]).group(0)  # \boxed 5
+    return _strip_math(token), i + len(token)
+
+
+def _first_answer(text):
+    """The first complete answer in the reference's order (mutis/llm_agent/generation.py,
+    _postprocess_responses): the first </answer> with its <answer> content; else the paragraph
+    holding the first 'Answer:' / 'Final Answer:'; else the first brace-balanced \\boxed{...}.
+    end is where the reference cuts the turn: after </answer>, at the paragraph's end, after the brace."""
+    j = text.find("</answer>")
+    i = text.rfind("<answer>", 0, j) if j >= 0 else -1
+    if i >= 0 and _strip_math(text[i + 8:j]).lower() not in _PLACEHOLDERS:
+        return Answer(_strip_math(text[i + 8:j]), "tag", j + len("</answer>"))
+    for m in _COLON_RE.finditer(text):
+        end = text.find("\n\n", m.end())
+        end = len(text) if end < 0 else end
+        lines = [s for s in text[m.end():end].split("\n") if s.strip()]
+        content = _strip_math(lines[0]) if lines else ""
+        if content.lower() not in _PLACEHOLDERS:
+            return Answer(content, "line", end)
+    pairs = None
+    for m in _BOX_RE.finditer(text):
+        pairs = _brace_pairs(text) if pairs is None else pairs
+        got = _box_content(text, m, pairs)
+        if got and got[0].lower() not in _PLACEHOLDERS:
+            return Answer(got[0], "boxed", got[1])
+    return None
+
+
+def _last_answer(text):
+    """The last complete \\boxed{...}, else the last <answer>...</answer>, else the last 'Answer:' line."""
     boxes = list(_BOX_RE.finditer(text))
     pairs = _brace_pairs(text) if boxes else {}
     for m in reversed(boxes):  # a truncated last box must not hide an earlier complete one
-        i = m.end()
-        if text.startswith("{", i):
-            if i not in pairs:
-                continue
-            content = _strip_math(text[i + 1:pairs[i]])
-        else:  # \boxed 5
-            content = _strip_math(re.match(r"[^\s$]*", text[i:]).group(0))
-        if content.lower() not in _PLACEHOLDERS:
-            return content, "boxed"
+        got = _box_content(text, m, pairs)
+        if got and got[0].lower() not in _PLACEHOLDERS:
+            return Answer(got[0], "boxed", len(text))
     end = len(text)
     while (i := text.rfind("<answer>", 0, end)) >= 0:  # stop strings cut "</answer>": allow none
         j = text.find("</answer>", i, end)
         content = _strip_math(text[i + 8:j if j >= 0 else end])
         if content.lower() not in _PLACEHOLDERS:
-            return content, "tag"
+            return Answer(content, "tag", len(text))
         end = i
     for m in reversed(list(_LINE_RE.finditer(text))):
         content = _strip_math(m.group(1) or m.group(2))
         if content.lower() not in _PLACEHOLDERS:
-            return content, "line"
-    nums = _NUM_RE.findall(text) if last_number else []
-    return (nums[-1].replace(",", "").rstrip("."), "number") if nums else (None, None)
+            return Answer(content, "line", len(text))
+    return None
 
 
-def extract_answer(text, last_number=False, prompt=None):
-    """The final answer in a response: the last brace-balanced \\boxed{...} or \\fbox{...}, else the
-    last <answer>...</answer> (an unclosed final tag counts: stop strings cut the closing tag), else a
-    'Final Answer:' / 'Answer:' line, else (only if last_number, for GSM8K-style sources) the last
-    number, else None. Intervention sentences and `prompt`, if given, are removed first."""
-    return _extract(text, last_number, prompt)[0]
+def find_answer(text, first=False, last_number=False, prompt=None):
+    """The one answer detector, shared by the turn rule (rollout.py) and the reward -> Answer or None.
+
+    first=True: the first complete answer, as the MuTIS reference cuts turns (`_first_answer`); its
+    `end` is where the turn is cut. first=False: the last answer (`_last_answer`), for responses
+    kept whole. Only explicit answers count (\\boxed{}, <answer> tags, 'Answer:'); last_number=True
+    (GSM8K-style sources, scoring only) falls back to the last number. Intervention sentences and
+    `prompt`, if given, are never read as answers."""
+    if not isinstance(text, str):
+        return None
+    text = _blank(text, prompt)
+    found = _first_answer(text) if first else _last_answer(text)
+    if found is None and last_number and (nums := _NUM_RE.findall(text)):
+        found = Answer(nums[-1].replace(",", "").rstrip("."), "number", len(text))
+    return found
+
+
+def extract_answer(text, last_number=False, prompt=None, first=False):
+    """The final answer's text (see find_answer), or None."""
+    found = find_answer(text, first, last_number, prompt)
+    return found.text if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,15 +695,21 @@ def _math_result(pred, how, acc, format_coef=0.0, length_coef=0.0, length=None, 
     return {"score": score, "acc": float(acc), "format": fmt, "has_answer": float(pred is not None), "pred": pred}
 
 
-def math_reward(data_source, response, ground_truth, *, last_number=False, timeout=DEFAULT_TIMEOUT,
+def _pred(response, last_number, first):
+    found = find_answer(response, first, last_number)
+    return (found.text, found.how) if found else (None, None)
+
+
+def math_reward(data_source, response, ground_truth, *, last_number=False, first=False, timeout=DEFAULT_TIMEOUT,
                 **terms):
     """The paper's reward: 1.0 if the extracted answer equals a gold answer, else 0.0.
     Optional terms, off by default (keywords):
       format_coef: subtracted when the answer is not in \\boxed{} or <answer> tags (format == 0);
       length_coef: subtracted from correct answers, times min(1, length / max_length), where
         length is the response length in tokens and max_length the budget (both required then).
-    score = acc - format_coef * (1 - format) - length_coef * acc * min(1, length / max_length)."""
-    pred, how = _extract(response, last_number)
+    score = acc - format_coef * (1 - format) - length_coef * acc * min(1, length / max_length).
+    first: score the first answer (responses cut at their first answer, see find_answer), else the last."""
+    pred, how = _pred(response, last_number, first)
     acc = pred is not None and is_equivalent(pred, ground_truth, timeout)
     return _math_result(pred, how, acc, **terms)
 
@@ -679,11 +734,11 @@ def compute_score(data_source, response, ground_truth, **kw):
 
 
 def score_batch(data_sources, responses, ground_truths, workers=None, lengths=None,
-                timeout=DEFAULT_TIMEOUT, **terms):
+                timeout=DEFAULT_TIMEOUT, first=False, **terms):
     """compute_score over a batch, results in input order. What the fast path cannot decide is
     spread over `workers` worker processes (default: all usable cores), each item still limited
     to `timeout` seconds per gold; small batches use one worker. lengths: per-item token counts
-    for the length term. data_sources may be one string for the whole batch."""
+    for the length term. data_sources may be one string for the whole batch. first: as in math_reward."""
     n = len(responses)
     sources = [data_sources] * n if isinstance(data_sources, str) else list(data_sources)
     if not len(sources) == len(ground_truths) == n:
@@ -698,7 +753,7 @@ def score_batch(data_sources, responses, ground_truths, workers=None, lengths=No
         elif fn is not None:
             out[i] = _as_result(fn(src, resp, gt))
         else:
-            pred, how = _extract(resp, last_number=name in LAST_NUMBER_SOURCES)
+            pred, how = _pred(resp, name in LAST_NUMBER_SOURCES, first)
             out[i] = [pred, how, pred is not None and _decide_fast(pred, _golds(gt))]
             if out[i][2] is None:
                 pending.append(i)

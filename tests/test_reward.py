@@ -341,3 +341,29 @@ def test_score_batch_pool_keeps_order_and_limits():
     assert [o["score"] for o in got] == [float(i % 2 == 0 and i != 6) for i in range(len(golds))]
     assert [o["pred"] for o in got] == [reward.extract_answer(r) for r in responses]
     assert len(reward._GUARDS) >= 2  # the pool really ran
+
+
+# ----------------------------------------------------------------------------- first answer (the turn rule's)
+
+@pytest.mark.parametrize("text,want,how,end_text", [
+    # the reference's order: a closed <answer> tag, else an 'Answer:' paragraph, else the first closed box
+    (r"\boxed{3} then <answer>4</answer> and <answer>5</answer>", "4", "tag", r"\boxed{3} then <answer>4</answer>"),
+    ("Answer: 4\n\nno wait, \\boxed{5}", "4", "line", "Answer: 4"),
+    ("so the final answer: 7\nnext line\n\nmore", "7", "line", "so the final answer: 7\nnext line"),
+    (r"\boxed{1+\frac{1}{2}} and \boxed{2}", r"1+\frac{1}{2}", "boxed", r"\boxed{1+\frac{1}{2}}"),
+    (r"\boxed{unclosed and \boxed{6}", "6", "boxed", r"\boxed{unclosed and \boxed{6}"),
+    (r"<answer>your answer</answer> then \boxed{8}", "8", "boxed", r"<answer>your answer</answer> then \boxed{8}"),
+])
+def test_find_answer_first(text, want, how, end_text):
+    found = reward.find_answer(text, first=True)
+    assert (found.text, found.how, text[:found.end]) == (want, how, end_text)
+
+
+def test_find_answer_first_needs_an_explicit_answer():
+    assert reward.find_answer("I get 4 and then 5", first=True) is None
+    assert reward.find_answer("I get 4 and then 5", first=True, last_number=True).text == "5"
+    assert reward.find_answer(r"the answer is \boxed{", first=True) is None  # not complete yet
+    # an intervention sentence naming the tags is not an answer, and offsets stay those of the text
+    text = reward.INTERVENTIONS[1] + r" \boxed{3}"
+    found = reward.find_answer(text, first=True)
+    assert found.text == "3" and text[:found.end].endswith(r"\boxed{3}")

@@ -1,0 +1,53 @@
+"""Run by tests/test_train_units.py under torchrun with 1 or 2 ranks: one train.accumulate_and_step on a
+fixed global mini-batch whose rows carry very different numbers of action tokens. Rank r takes rows
+r::world, so with 2 ranks rank 0 holds the short responses and rank 1 the long ones. Writes the updated
+full parameters (rank 0) to OUT; token-mean must give the same step whatever the split."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import model as M  # noqa: E402
+import train  # noqa: E402
+
+
+def global_batch(model):
+    """4 rows: prompts of 5 tokens; responses of 40 tokens, 3 action tokens in rows 0/2, 35 in rows 1/3."""
+    g = torch.Generator().manual_seed(0)
+    B, P, R = 4, 5, 40
+    batch = dict(prompt_ids=torch.randint(3, 4000, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                 response_ids=torch.randint(3, 4000, (B, R), generator=g),
+                 response_mask=torch.ones(B, R, dtype=torch.long), action_mask=torch.zeros(B, R))
+    for row, n_actions in enumerate((3, 35, 3, 35)):
+        batch["action_mask"][row, :n_actions] = 1
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    with torch.no_grad():
+        old = M.token_logprobs(model, ids, mask, P)  # ratio 1: the gradient is -A * grad log p per token
+    batch.update(old_logprobs=old, ref_logprobs=old, advantages=torch.randn(B, R, generator=g))
+    return batch
+
+
+def main():
+    model_dir, out = sys.argv[1], sys.argv[2]
+    rank, world, _, device = M.init_distributed()
+    plain = M.load_causal_lm(model_dir)
+    batch = global_batch(plain)
+    mine = {k: v[rank::world] for k, v in batch.items()}
+    actor = M.shard(M.load_causal_lm(model_dir))
+    args = SimpleNamespace(micro_batch_size=1, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
+                           entropy_coef=0.0, kl_loss_coef=0.0, temperature=1.0, grad_clip=1e9)
+    opt = torch.optim.SGD(actor.parameters(), lr=1.0)
+    stats, skipped = train.ppo_update(actor, None, opt, None, mine, torch.arange(len(mine["action_mask"])), args,
+                                      train.nullcontext, device)
+    params = {n: t.clone() for n, t in M.full_state_dict(actor)}
+    if rank == 0:
+        torch.save({"params": params, "skipped": skipped, "stats": stats}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""train.py's pieces in isolation: flag checks, advantages, the update step (modes, weights, skips)."""
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import model as M
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--samples-per-prompt", "0"),
+                                        ("--turn-tokens", "0"), ("--micro-batch-size", "0"),
+                                        ("--top-p", "1.5"), ("--max-turns", "-1")])
+def test_bad_flags_fail_in_one_line_before_any_model_loads(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:  # --model does not exist: a model load would fail differently
+        train.parse_args(["--data", "arith_train", "--model", "/no/such/model", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and flag in err, err
+
+
+def test_group_estimators_need_two_samples_per_prompt(capsys):
+    for adv in ("grpo", "rloo"):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--data", "arith_train", "--adv", adv, "--samples-per-prompt", "1"])
+        assert "--samples-per-prompt" in capsys.readouterr().err
+    assert train.parse_args(["--data", "x", "--adv", "grpo"]).kl_loss_coef == 0.001  # veRL's GRPO default
+    assert train.parse_args(["--data", "x"]).kl_loss_coef == 0.0
+
+
+def test_grpo_advantages_ignore_the_kl():
+    """An equal-score group gets zero advantage whatever the KL; other groups get (s - mean) / std."""
+    args = SimpleNamespace(adv="grpo")
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])  # group 0: all correct; group 1: mixed
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    mask = torch.ones(6, 5)
+    kl = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))  # noise, different in every row
+    for kl_coef in (1e-3, 1e-1):
+        adv, returns = train.compute_advantages(args, scores, kl, kl_coef, None, mask, groups, "cpu")
+        assert returns is None and torch.equal(adv[:3], torch.zeros(3, 5))
+        want = (scores[3:] - scores[3:].mean()) / (scores[3:].std() + 1e-6)
+        torch.testing.assert_close(adv[3:], want[:, None].expand(3, 5))
+    # rloo keeps the KL in the reward: there the coefficient does move the advantages
+    a1, _ = train.compute_advantages(SimpleNamespace(adv="rloo"), scores, kl, 1e-3, None, mask, groups, "cpu")
+    a2, _ = train.compute_advantages(SimpleNamespace(adv="rloo"), scores, kl, 1e-1, None, mask, groups, "cpu")
+    assert not torch.allclose(a1[:3], a2[:3])
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    M.init_distributed()
+    yield
+    dist.destroy_process_group()
+
+
+def update_batch(model, rows=4, prompt=6, response=12):
+    g = torch.Generator().manual_seed(0)
+    batch = dict(prompt_ids=torch.randint(3, 4000, (rows, prompt), generator=g),
+                 prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
+                 response_ids=torch.randint(3, 4000, (rows, response), generator=g),
+                 response_mask=torch.ones(rows, response, dtype=torch.long), action_mask=torch.ones(rows, response))
+    batch.update(old_logprobs=torch.full((rows, response), -8.0), ref_logprobs=torch.full((rows, response), -8.0),
+                 advantages=torch.randn(rows, response, generator=g))
+    return batch
+
+
+UPDATE_ARGS = dict(micro_batch_size=2, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
+                   entropy_coef=0.001, kl_loss_coef=0.001, kl_loss_kind="k3", temperature=1.0, grad_clip=1.0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_rank_group, checkpointing):
+    """--grad-checkpointing: each decoder layer runs forward twice per micro-batch (the recompute in
+    backward), which only happens if the update puts the model in train mode; without it, once."""
+    actor = M.shard(M.load_causal_lm(tiny_model_dir), grad_checkpointing=checkpointing)
+    calls, mlp = [], actor.model.layers[0].mlp
+    real_forward = mlp.forward  # counted on the instance: forward hooks do not fire in the recompute
+    mlp.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-4)
+    stats, skipped = train.ppo_update(actor, None, opt, None, update_batch(actor), torch.arange(4),
+                                      SimpleNamespace(**UPDATE_ARGS), train.nullcontext, torch.device("cpu"))
+    assert skipped == 0 and {"pg_loss", "entropy", "kl_loss", "grad_norm"} <= set(stats)
+    assert len(calls) == (4 if checkpointing else 2)  # 2 micro-batches
+    assert not actor.training  # back in eval mode for the no-grad log-prob passes
+
+
+def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model_dir, one_rank_group, monkeypatch):
+    actor = M.shard(M.load_causal_lm(tiny_model_dir))
+    critic = M.shard(M.load_critic(tiny_model_dir))
+    batch = update_batch(actor)
+    batch.update(old_values=torch.zeros(4, 12), returns=torch.ones(4, 12))
+    before = {n: t.clone() for n, t in M.full_state_dict(actor)}
+    real = train.ppo.policy_loss
+    monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    a_opt, c_opt = torch.optim.AdamW(actor.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    stats, skipped = train.ppo_update(actor, critic, a_opt, c_opt, batch, torch.arange(4),
+                                      SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), train.nullcontext,
+                                      torch.device("cpu"))
+    assert skipped == 1 and "vf_loss" in stats and stats["critic_grad_norm"] > 0
+    assert all(torch.equal(t, before[n]) for n, t in M.full_state_dict(actor))  # the actor did not move
+
+
+def torchrun(nproc, *args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_token_mean_is_over_the_global_mini_batch(tiny_model_dir, tmp_path):
+    """2 ranks holding 6 and 70 action tokens take the same step as 1 rank holding all 76."""
+    worker = str(ROOT / "tests" / "_token_mean_worker.py")
+    torchrun(1, worker, tiny_model_dir, str(tmp_path / "one.pt"))
+    torchrun(2, worker, tiny_model_dir, str(tmp_path / "two.pt"))
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    base = dict(M.full_state_dict(M.load_causal_lm(tiny_model_dir)))
+    moved = max((one["params"][n] - base[n]).abs().max().item() for n in base)
+    diff = max((one["params"][n] - two["params"][n]).abs().max().item() for n in base)
+    assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
+    assert two["stats"]["pg_loss"] == pytest.approx(one["stats"]["pg_loss"], abs=1e-5)
+
+
+def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model_dir, one_rank_group):
+    """grpo with one optimiser step per batch skips the old log-prob pass: the update's own forward supplies
+    pi_old. The step must equal the one taken with pi_old from a separate no-grad forward."""
+    args = SimpleNamespace(**{**UPDATE_ARGS, "kl_kind": "k1"})
+    params = []
+    for reuse in (False, True):
+        actor = M.shard(M.load_causal_lm(tiny_model_dir))
+        batch = update_batch(actor)
+        batch["rollout_logprobs"] = torch.full_like(batch["advantages"], -9.0)
+        ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+        with torch.no_grad():
+            old = M.token_logprobs(actor, ids, torch.ones_like(ids), batch["prompt_ids"].shape[1])
+        if reuse:
+            del batch["old_logprobs"]
+        else:
+            batch["old_logprobs"] = old
+        opt = torch.optim.SGD(actor.parameters(), lr=1.0)
+        stats, _ = train.ppo_update(actor, None, opt, None, batch, torch.arange(4), args, train.nullcontext,
+                                    torch.device("cpu"))
+        assert stats["clipfrac"] == 0 and stats["approx_kl"] == pytest.approx(0, abs=1e-6)
+        if reuse:  # the diagnostics the skipped pass would have given
+            assert stats["kl"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
+            assert stats["rollout/logprob_gap"] == pytest.approx(float((old + 9.0).abs().mean()), abs=1e-4)
+        params.append({n: t.clone() for n, t in M.full_state_dict(actor)})
+    assert max((params[0][n] - params[1][n]).abs().max().item() for n in params[0]) < 1e-5
