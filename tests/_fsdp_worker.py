@@ -53,19 +53,19 @@ def max_diff(a, b):
 
 def main():
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
-    rank, world, _, _ = M.init_distributed()
+    rank, world, _, device = M.init_distributed()  # CPU/gloo, or this rank's GPU when the test has 2
     torch.manual_seed(0)
-    ids, mask, start = batch(world)
+    ids, mask, start = (t.to(device) if torch.is_tensor(t) else t for t in batch(world))
     rows = ids.shape[0] // world
     mine = [(ids[rank * rows:(rank + 1) * rows], mask[rank * rows:(rank + 1) * rows], start)]
     all_slices = [(ids[r * rows:(r + 1) * rows], mask[r * rows:(r + 1) * rows], start) for r in range(world)]
     res = {}
 
     for kind, load, loss_fn in (("policy", M.load_causal_lm, policy_loss), ("critic", M.load_critic, value_loss)):
-        plain, sharded = load(model_dir), load(model_dir)
+        plain, sharded = load(model_dir).to(device), load(model_dir).to(device)
         if kind == "critic":  # a non-zero head, so the backbone gets gradients too
             for m in (plain, sharded):
-                torch.nn.init.normal_(m.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(3))
+                torch.nn.init.normal_(m.value_head.weight, std=0.1, generator=torch.Generator(device).manual_seed(3))
         before = {n: p.detach().clone() for n, p in plain.named_parameters()}
         plain.train(), sharded.train()
         M.shard(sharded, grad_checkpointing=True)
@@ -95,11 +95,11 @@ def main():
                     from safetensors import safe_open
                     with safe_open(str(out_dir / kind / "model.safetensors"), "pt") as f:
                         res["saved_has_lm_head"] = "lm_head.weight" in f.keys()
-                    reloaded = M.load_causal_lm(str(out_dir / kind)).eval()
+                    reloaded = M.load_causal_lm(str(out_dir / kind)).to(device).eval()
                     res["reload_logits_diff"] = (reloaded(input_ids=ids, attention_mask=mask).logits - want).abs().max().item()
                     res["reload_logprobs_diff"] = (M.token_logprobs(reloaded, ids, mask, start) - out).abs().max().item()
                 else:
-                    reloaded = M.load_critic(str(out_dir / kind)).eval()
+                    reloaded = M.load_critic(str(out_dir / kind)).to(device).eval()
                     res["reload_values_diff"] = (M.values(reloaded, ids, mask, start) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))

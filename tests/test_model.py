@@ -164,6 +164,8 @@ def test_save_hf_bf16_reloads_and_replaces(tiny, tiny_model_dir, tmp_path):
 
 def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if torch.cuda.device_count() < 2:  # one rank per GPU needs 2 GPUs: else both ranks on CPU with gloo
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(REPO / "tests" / "_fsdp_worker.py"), tiny_model_dir, str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)

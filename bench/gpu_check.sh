@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The training side on one CUDA GPU, in a few minutes, on a machine with PyTorch but no vLLM.
+#
+#   bash bench/gpu_check.sh prepare   # here (any machine with models/smollm2-135m-instruct): writes
+#                                     # runs/gpu_check/models/ = SmolLM2's config + tokenizer, no weights (4 MB)
+#   bash bench/gpu_check.sh           # on the GPU machine (carry runs/gpu_check along)
+#
+# What it runs there:
+#   1. torchrun --nproc_per_node 1 train.py --engine hf (one rank, NCCL, bf16 mixed precision) on a tiny
+#      random Llama and on a small one (hidden 512, 8 layers; built there from the tokenizer), each with
+#      --grad-checkpointing off and on, printing the peak CUDA memory of the PPO update and of the whole run:
+#      checkpointing must lower the update peak. SmolLM2 too when its weights are present (models/ or
+#      $MUTIS_MODELS_DIR).
+#   2. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
+# Environment: PYTHON (default python3), STEP_TIMEOUT (seconds per training run, default 240).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WORK=runs/gpu_check
+
+if [[ "${1:-}" == "prepare" ]]; then
+    src=${MUTIS_MODELS_DIR:-models}/smollm2-135m-instruct
+    [[ -f $src/config.json ]] || { echo "no $src: run 'python model.py prepare' first"; exit 1; }
+    mkdir -p "$WORK/models/smollm2-135m-instruct"
+    for f in "$src"/*; do [[ $(basename "$f") == *.safetensors ]] || cp "$f" "$WORK/models/smollm2-135m-instruct/"; done
+    du -sh "$WORK"
+    exit 0
+fi
+
+echo "== machine"
+nvidia-smi -L || echo "nvidia-smi: none"
+"$PY" - <<'EOF' || exit 1
+import importlib, sys, torch
+print(f"python {sys.version.split()[0]}  torch {torch.__version__}  cuda {torch.version.cuda}  "
+      f"available {torch.cuda.is_available()}  devices {torch.cuda.device_count()}")
+missing = [m for m in ("transformers", "safetensors", "numpy", "tqdm", "pyarrow", "pytest", "math_verify", "sympy")
+           if importlib.util.find_spec(m) is None]
+for m in ("transformers", "vllm", "flash_attn"):
+    if importlib.util.find_spec(m):
+        print(m, importlib.import_module(m).__version__)
+if missing:
+    print("MISSING python packages:", ", ".join(missing), "(pytest/math_verify/sympy only matter for step 2)")
+if not torch.cuda.is_available() or any(m in missing for m in ("transformers", "safetensors", "numpy", "tqdm")):
+    sys.exit("cannot run the GPU check here")
+EOF
+
+# models: SmolLM2's tokenizer (the tokenizer-only copy, or the real directory) and two random Llamas built from it
+if [[ -z "${MUTIS_MODELS_DIR:-}" ]]; then
+    if [[ -f models/smollm2-135m-instruct/config.json ]]; then export MUTIS_MODELS_DIR=$PWD/models
+    else export MUTIS_MODELS_DIR=$PWD/$WORK/models; fi
+fi
+[[ -f $MUTIS_MODELS_DIR/smollm2-135m-instruct/tokenizer.json ]] || {
+    echo "no tokenizer under $MUTIS_MODELS_DIR: run 'bash bench/gpu_check.sh prepare' where models/ exists"; exit 1; }
+mkdir -p "$WORK"
+"$PY" - <<EOF || exit 1
+import model
+model.make_tiny("$WORK/tiny")
+model.make_tiny("$WORK/small", hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536)
+print("built $WORK/tiny and $WORK/small")
+EOF
+MODELS="$WORK/tiny $WORK/small"
+[[ -f $MUTIS_MODELS_DIR/smollm2-135m-instruct/model.safetensors ]] && MODELS="$MODELS $MUTIS_MODELS_DIR/smollm2-135m-instruct"
+
+# train.main with the peak CUDA memory of each PPO update recorded (reset before it, read after it)
+cat > "$WORK/peak.py" <<'EOF'
+import json, sys
+import torch
+sys.path.insert(0, ".")
+import train
+peaks, overall = [], [0]
+real_update = train.ppo_update
+def ppo_update(*a, **k):
+    overall[0] = max(overall[0], torch.cuda.max_memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+    out = real_update(*a, **k)
+    peaks.append(torch.cuda.max_memory_allocated())
+    return out
+train.ppo_update = ppo_update
+train.main(sys.argv[1:])
+overall[0] = max([overall[0], torch.cuda.max_memory_allocated()] + peaks)
+print("PEAK " + json.dumps({"update_gib": round(max(peaks) / 2**30, 4), "run_gib": round(overall[0] / 2**30, 4)}),
+      flush=True)
+EOF
+
+echo "== train.py --engine hf, 1 rank, NCCL, bf16 mixed precision"
+declare -A PEAK
+fail=0
+for m in $MODELS; do
+    for gc in off on; do
+        out=$WORK/out-$(basename "$m")-$gc
+        rm -rf "$out"
+        flag=(); [[ $gc == on ]] && flag=(--grad-checkpointing)
+        t0=$(date +%s)
+        timeout "${STEP_TIMEOUT:-240}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 "$WORK/peak.py" \
+            --model "$m" --data arith_train --out "$out" --steps 2 --batch-size 4 --samples-per-prompt 2 \
+            --max-turns 1 --turn-tokens 256 --micro-batch-size 8 --mini-batch-size 8 --engine hf \
+            --dtype bfloat16 --engine-dtype bfloat16 "${flag[@]}" > "$out.log" 2>&1
+        rc=$?
+        line=$(grep '^PEAK ' "$out.log" | tail -1)
+        echo "$(basename "$m") grad-checkpointing=$gc rc=$rc $(( $(date +%s) - t0 ))s ${line:-no PEAK line}"
+        grep '^step ' "$out.log" | tail -2
+        if [[ $rc -ne 0 ]]; then tail -25 "$out.log"; fail=1; fi
+        PEAK[$m-$gc]=$(echo "$line" | sed -n 's/.*"update_gib": \([0-9.]*\).*/\1/p')
+    done
+    off=${PEAK[$m-off]:-}; on=${PEAK[$m-on]:-}
+    if [[ -n $off && -n $on ]]; then
+        verdict=$("$PY" -c "print('OK: lower' if $on < $off else 'FAIL: not lower')")
+        echo "CHECK $(basename "$m"): update peak off $off GiB, on $on GiB -> $verdict"
+        [[ $verdict == OK* ]] || fail=1
+    fi
+done
+
+echo "== pytest: the files that need no vLLM"
+timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_data.py tests/test_reward.py tests/test_ppo.py \
+    tests/test_model.py tests/test_engine.py tests/test_train_units.py tests/test_turn_rule.py tests/test_multirank.py \
+    -k "not smollm2_generates" -rs 2>&1 | tail -25
+[[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
+echo "== gpu_check: $([[ $fail -eq 0 ]] && echo PASSED || echo FAILED)"
+exit $fail

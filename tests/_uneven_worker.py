@@ -1,0 +1,64 @@
+"""One rank of the uneven-calls probe: `torchrun --nproc_per_node 2 _uneven_worker.py MODEL MODE OUT_DIR`.
+
+Rank r makes r + 1 `generate` calls on its own colocated engine, then both ranks meet at a barrier (what
+MuTIS does when one rank's trajectories all answer in turn 1 and another's need every turn). MODE:
+  ours        rollout.make_engine(distributed=True) built after init_process_group (the trainer's order)
+  dp          the same, but vLLM built with data_parallel_size=WORLD_SIZE: the engines form one vLLM DP group
+              (the old colocation; expected to hang on rank 1's second call)
+  before-pg   distributed=True, but the engine is built before the trainer's process group exists
+Each rank writes OUT_DIR/rank{R}.json with the seconds each call and the barrier took, or the error."""
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import rollout  # noqa: E402
+
+
+def main():
+    model_dir, mode, out_dir = sys.argv[1:4]
+    import os
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "dp":
+        import vllm
+
+        class DPLLM(vllm.LLM):  # the old VLLMEngine(distributed=True): one DP group over all ranks
+            def __init__(self, *a, **k):
+                super().__init__(*a, data_parallel_size=world, **k)
+        vllm.LLM = DPLLM
+    res = {"rank": rank, "mode": mode}
+    t0 = time.time()
+    try:
+        if mode != "before-pg":
+            dist.init_process_group("gloo")
+        engine = rollout.make_engine(model_dir, dtype="float32", seed=0, max_model_len=256, distributed=True,
+                                     enforce_eager=True, gpu_memory_utilization=0.2)
+        if mode == "before-pg":
+            dist.init_process_group("gloo")
+        res["engine_s"] = round(time.time() - t0, 1)
+        tok = engine.tokenizer
+        res["calls_s"] = []
+        for call in range(rank + 1):
+            t = time.time()
+            out = engine.generate([tok.encode(f"Question {rank}-{call}: count to ten.")], 8, temperature=0.0)
+            assert len(out[0][0].token_ids) == 8
+            res["calls_s"].append(round(time.time() - t, 2))
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))  # progress, in case the next call hangs
+        t = time.time()
+        dist.barrier()
+        res["barrier_s"] = round(time.time() - t, 2)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+        engine.close()
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+        traceback.print_exc()
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

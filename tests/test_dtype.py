@@ -1,0 +1,68 @@
+"""--dtype/--engine-dtype auto (model.choose_dtype) and the quiet console (model.quiet_logs)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import model as M
+
+ROOT = Path(__file__).resolve().parents[1]
+X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {extra}\n\n"
+
+
+@pytest.mark.parametrize("extra, want", [
+    ("avx512_bf16 avx512_vnni", "bfloat16"),
+    ("amx_tile amx_bf16 amx_int8", "bfloat16"),
+    ("avx512_vnni", "float32"),  # AVX-512 without bf16: torch says "supported", but it is emulated
+])
+def test_auto_on_cpu_reads_the_flags(monkeypatch, extra, want):
+    monkeypatch.setattr(M, "_cpuinfo_text", lambda: X86.format(extra=extra))
+    dtype, reason = M.choose_dtype("auto", "cpu")
+    assert dtype == want
+    assert reason == ("CPU without avx512_bf16/amx_bf16: bf16 would be emulated" if want == "float32"
+                      else f"CPU with {'avx512_bf16' if 'avx512_bf16' in extra else 'amx_bf16'}")
+
+
+def test_explicit_and_hf_engine(monkeypatch):
+    monkeypatch.setattr(M, "_cpuinfo_text", lambda: X86.format(extra="avx512_bf16"))
+    assert M.choose_dtype("float32", "cpu") == ("float32", "requested")
+    assert M.choose_dtype("bfloat16", "cpu") == ("bfloat16", "requested")
+    assert M.choose_dtype("auto", "cpu", engine="hf")[0] == "float32"      # the debugging engine stays exact
+    assert M.choose_dtype("auto", "cpu", engine="vllm")[0] == "bfloat16"
+
+
+def test_aarch64_and_timing_fallback(monkeypatch):
+    monkeypatch.setattr(M, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    assert M.choose_dtype("auto", "cpu")[0] == "bfloat16"
+    monkeypatch.setattr(M, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd\n")
+    assert M.choose_dtype("auto", "cpu")[0] == "float32"
+    monkeypatch.setattr(M, "_cpuinfo_text", lambda: None)  # no /proc/cpuinfo: time a matmul once
+    monkeypatch.setattr(M, "_timed_bf16", [])
+    dtype, reason = M.choose_dtype("auto", "cpu")
+    assert dtype in ("bfloat16", "float32") and "matmul" in reason
+
+
+def test_train_startup_line_states_the_dtype():
+    """The [setup] line says what was chosen and why, before any model loads (here the run stops soon after it:
+    the batch is larger than the data set)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", "arith_test", "--batch-size", "100000",
+                           "--engine-dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "fewer than --batch-size" in proc.stderr, proc.stderr[-2000:]
+    want, why = M.choose_dtype("auto")
+    assert f"[setup] dtype {want} ({why}); vllm engine dtype float32 (requested)" in proc.stdout.splitlines()
+
+
+def test_rollout_cli_is_quiet(tiny_model_dir, tmp_path):
+    """vLLM's INFO lines and known-harmless warnings stay off the console without --verbose."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2"}) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "rollout.py"), "--model", str(tiny_model_dir), "--data", str(data),
+                           "--max-turns", "1", "--turn-tokens", "4", "--enforce-eager", "--out", str(tmp_path / "r.jsonl")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert not [line for line in console if " INFO " in line], console
+    assert "[setup] vllm engine dtype" in proc.stderr
+    assert len(console) < 12, console  # ~50 lines of vLLM configuration and warnings before

@@ -1,0 +1,109 @@
+"""The 8-GPU path on CPU: colocated engines that never lock step, uneven turns in the real trainer, --out on a
+shared filesystem. Every test here starts 2 ranks under torchrun on gloo. With vLLM's CPU build they run
+anywhere; with its CUDA build 2 ranks need 2 GPUs (vLLM cannot be forced onto the CPU there): the vLLM ones
+are skipped otherwise (conftest.vllm_two_rank_env)."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo, CPU tensors
+METRICS = ["reward/mean", "acc/mean", "response_length/mean", "turns/mean", "interventions/mean"]
+VAL_METRICS = ["val/acc", "val/response_length", "val/turns"]
+
+
+def torchrun(script, *args, env, timeout, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path, vllm_two_rank_env):
+    """Rank 0 calls generate once, rank 1 twice, then both meet at a barrier (with the old vLLM DP group
+    over all ranks, rank 1's second call never returned)."""
+    env = vllm_two_rank_env
+    proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "ours", tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [len(r["calls_s"]) for r in res] == [1, 2] and all("barrier_s" in r for r in res), res
+
+
+def test_engine_before_process_group_fails_clearly(tiny_model_dir, tmp_path, vllm_two_rank_env):
+    """vLLM would call init_process_group(world_size=1, rank=RANK) itself: gloo's 'rank < size' on rank 1."""
+    env = vllm_two_rank_env
+    proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "before-pg", tmp_path, env=env, timeout=300)
+    assert proc.returncode != 0
+    for r in range(2):
+        assert "after torch.distributed.init_process_group" in json.loads((tmp_path / f"rank{r}.json").read_text())["error"]
+
+
+SHARED_OUT_WORKER = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+import train
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = Path(sys.argv[1] if rank == 0 or len(sys.argv) == 2 else sys.argv[2])  # rank 1 may see another directory
+out.mkdir(parents=True, exist_ok=True)
+train.check_shared_out(out, rank, dist.get_world_size(), torch.device("cpu"))
+print(f"rank {{rank}} ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_out_must_be_shared_by_all_ranks(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(SHARED_OUT_WORKER.format(root=str(ROOT)))
+    proc = torchrun(worker, tmp_path / "out", env=CPU_ENV, timeout=120)
+    assert proc.returncode == 0 and "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stderr[-3000:]
+    assert not [p for p in (tmp_path / "out").iterdir()], "the token file was left behind"
+    proc = torchrun(worker, tmp_path / "a", tmp_path / "b", env=CPU_ENV, timeout=120)
+    assert proc.returncode != 0 and "ok" not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: --out")]
+    assert len(errors) == 2 and "shared" in errors[0], proc.stderr[-3000:]  # one line on every rank
+    assert 'train.py", line' not in proc.stderr  # no traceback from the workers (torchrun prints its own)
+
+
+def uneven_args(model_dir, out):
+    return ["--model", model_dir, "--data", "arith_train", "--val-data", "arith_test", "--val-limit", "3",
+            "--out", out, "--steps", "2", "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "2",
+            "--turn-tokens", "12", "--micro-batch-size", "4", "--mini-batch-size", "8", "--actor-lr", "1e-5",
+            "--critic-lr", "1e-5", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
+            "--gpu-memory-utilization", "0.2", "--val-before-train", "--test-freq", "1"]
+
+
+def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_two_rank_env):
+    """The real train.py on 2 ranks, scripted so that every rank-0 trajectory answers in its first turn and every
+    rank-1 trajectory takes all 3 turns (and validation shards of 2 and 1 prompts): it finishes, and every logged
+    rollout and validation metric equals a 1-rank run over the same data (tests/_uneven_train_worker.py)."""
+    env = vllm_two_rank_env
+    worker = ROOT / "tests" / "_uneven_train_worker.py"
+    t0 = time.time()
+    two = torchrun(worker, *uneven_args(tiny_model_dir, tmp_path / "two"), env=env, timeout=600)
+    seconds = time.time() - t0
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    one = subprocess.run([sys.executable, str(worker), *uneven_args(tiny_model_dir, tmp_path / "one")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "two")}
+    assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
+    for a, b in zip(rows["one"], rows["two"]):
+        keys = (METRICS if a["step"] else []) + VAL_METRICS
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a["step"], a, b)
+    # the script did what it says: half the trajectories answered in turn 1 (correctly), half took all 3 turns
+    for r in rows["two"][1:]:
+        assert r["turns/mean"] == 2.0 and r["interventions/mean"] == 1.0 and r["reward/mean"] == 0.5, r
+    # validation: 2 prompts on rank 0 (1 turn each), 1 on rank 1 (3 turns)
+    assert rows["two"][0]["val/turns"] == pytest.approx(5 / 3) and rows["two"][0]["val/acc"] == pytest.approx(2 / 3)
+    # rank 0 made one engine call per rollout (2 steps + 3 validations), rank 1 three
+    calls = [json.loads((tmp_path / "two" / f"calls_rank{r}.json").read_text())["calls"] for r in range(2)]
+    assert calls == [5, 15], calls
+    print(f"2-rank uneven run: {seconds:.0f}s, step times "
+          f"{[round(r['time/step'], 1) for r in rows['two'][1:]]}s", file=sys.stderr)
