@@ -85,8 +85,10 @@ def generate(engine, tokenizer, records, args, desc=""):
     """
     import rollout
     from data import prompt_ids
+    from model import end_of_turn_ids
     from tqdm import tqdm
 
+    eos_ids = end_of_turn_ids(tokenizer.name_or_path, tokenizer)
     gen_tokens = max([args.max_tokens] + args.budgets)
     prompts = [prompt_ids(tokenizer, r["messages"]) for r in records]
     intervention_ids = rollout.intervention_ids(tokenizer, args.intervention)
@@ -99,23 +101,29 @@ def generate(engine, tokenizer, records, args, desc=""):
                 engine, chunk, n=args.n, max_turns=args.max_turns,
                 turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
                 max_response_tokens=gen_tokens, temperature=args.temperature, top_p=args.top_p,
-                seed=args.seed, stop=(), intervene_on=args.intervene_on, intervention_ids=intervention_ids,
-                eos_ids=[tokenizer.eos_token_id], timeout=None, prompt_indices=range(start, start + len(chunk)))
+                seed=args.seed, stop=(), turn_rule=args.turn_rule, cut_at_answer=cuts(args),
+                intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=None, prompt_indices=range(start, start + len(chunk)))
             for t in trajs:
                 rec = records[t["prompt_index"]]
                 samples.append({
                     "benchmark": rec["_benchmark"], "data_source": rec["data_source"], "id": rec["id"],
                     "sample": t["sample_index"],
                     "problem": rec["problem"], "gold": rec["ground_truth"], "response_ids": list(t["response_ids"]),
-                    "_full_text": t["response_text"],
+                    "_full_text": t["policy_text"],
                     "_truncated": bool(t["truncated"]), "_action_mask": list(t["action_mask"]),
                     "_turns": int(t["turns"])})
             bar.update(len(chunk))
     return samples
 
 
+def cuts(args):
+    """Turns are cut at their first answer only with interventions: the paper's single-turn eval keeps
+    the whole response and scores its last answer."""
+    return args.max_turns > 0 and args.cut_at_answer
+
+
 def cut(s, limit, tokenizer):
-    """The sample as a `limit`-token generation would have left it: (text, tokens, truncated, turns)."""
+    """The sample as a `limit`-token generation would have left it: (policy text, tokens, truncated, turns)."""
     ids, mask = s["response_ids"], s["_action_mask"]
     if len(ids) <= limit:  # ended before the limit: identical to the full generation
         return s["_full_text"], len(ids), s["_truncated"], s["_turns"]
@@ -125,7 +133,10 @@ def cut(s, limit, tokenizer):
     while end > 0 and not mask[end - 1]:
         end -= 1
     turns = 1 + sum(1 for j in range(1, end) if not mask[j] and mask[j - 1])  # interventions opened so far
-    return tokenizer.decode(ids[:end], skip_special_tokens=True), end, True, turns
+    import rollout
+
+    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+    return rollout.policy_text(ids[:end], mask[:end], decode), end, True, turns
 
 
 def score_generated(samples, args, tokenizer):
@@ -145,11 +156,13 @@ def score_generated(samples, args, tokenizer):
                 job[i, "full"] = len(texts)
             texts.append(cut(s, lim, tokenizer)[0])
             owner.append(i)
-    results = score_batch([samples[i]["data_source"] for i in owner], texts, [samples[i]["gold"] for i in owner])
+    results = score_batch([samples[i]["data_source"] for i in owner], texts, [samples[i]["gold"] for i in owner],
+                          first=cuts(args))
     for i, s in enumerate(samples):
         text, ntok, trunc, turns = cut(s, args.max_tokens, tokenizer)
         r = results[job[i, args.max_tokens]]
-        s.update(response_text=text, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
+        shown = tokenizer.decode(s["response_ids"][:ntok], skip_special_tokens=True)  # with interventions
+        s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
                  num_tokens=ntok, truncated=trunc, turns=turns,
                  budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
         for key in [k for k in s if k.startswith("_")]:
@@ -387,14 +400,22 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=1, help="samples per problem (mean@n, pass@k when > 1)")
     p.add_argument("--max-turns", type=int, default=0, help="interventions per response; 0 = single turn (the paper's eval)")
     p.add_argument("--turn-tokens", type=int, default=1000, help="token budget of one turn when --max-turns > 0")
-    p.add_argument("--intervention", default="paper", help="intervention text: paper | reference | literal text")
-    p.add_argument("--intervene-on", default="budget", choices=["budget", "no-answer", "both"],
-                   help="when --max-turns > 0: intervene when a turn hits its budget, ends without answer, or both")
+    p.add_argument("--intervention", default="reference", help="intervention text: reference (default) | paper | literal text")
+    p.add_argument("--turn-rule", default="reference", choices=("reference", "paper"),
+                   help="when --max-turns > 0: intervene on every answerless turn (reference) or on budget cuts only")
+    p.add_argument("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
+                   help="when --max-turns > 0: keep a turn's tokens after its first answer (scored on the last)")
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     p.add_argument("--system-prompt", default="eval", help="eval | train | none | literal text")
     p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="generation engine")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 for vllm, float32 for hf)")
+    p.add_argument("--engine-dtype", "--dtype", dest="engine_dtype", default="auto",
+                   help="engine dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; float32 for "
+                        "--engine hf) | bfloat16 | float32 | float16 (--dtype: deprecated alias)")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: skip torch.compile (faster start-up)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM: share of GPU memory it may use")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
+                   help="--engine hf: transformers attention")
     p.add_argument("--batch-size", type=int, default=64, help="problems per engine call (progress granularity)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
@@ -416,6 +437,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from model import quiet_logs
+
+    quiet_logs(args.verbose)
     if args.score:
         return score_file(args)
     if not args.checkpoints:
@@ -423,8 +447,10 @@ def main(argv=None):
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
     import data
-    from model import ALIASES, load_tokenizer, resolve_model
+    from model import ALIASES, check_attn_implementation, load_tokenizer, resolve_model
 
+    if args.engine == "hf":
+        check_attn_implementation(args.attn_implementation)
     t0 = time.time()
     # validate everything before the first (slow) engine start
     benches = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
@@ -447,7 +473,10 @@ def main(argv=None):
     if args.temperature == 0 and args.n > 1:
         print("note: --n > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
     import rollout
+    from model import choose_dtype
 
+    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
     prepared = {}  # name -> (tokenizer, context length); checked for every checkpoint before any engine starts
     for name, path in paths.items():
         tokenizer = load_tokenizer(path)
@@ -464,14 +493,17 @@ def main(argv=None):
         tokenizer, context = prepared[name]
         tm = timings["checkpoints"][name] = {}
         t = time.time()
-        dtype = args.dtype or ("bfloat16" if args.engine == "vllm" else "float32")
-        engine = rollout.make_engine(path, kind=args.engine, dtype=dtype, seed=args.seed, max_model_len=context,
-                                     enforce_eager=args.enforce_eager)
+        engine = rollout.make_engine(path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed, max_model_len=context,
+                                     enforce_eager=args.enforce_eager,
+                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                     attn_implementation=args.attn_implementation)
         tm["engine_s"] = round(time.time() - t, 2)
         t = time.time()
-        done = generate(engine, tokenizer, records, args, desc=f"generate {name}")
-        gen_s = time.time() - t
-        del engine  # free its KV cache before the next checkpoint's engine
+        try:
+            done = generate(engine, tokenizer, records, args, desc=f"generate {name}")
+            gen_s = time.time() - t
+        finally:
+            engine.close()  # free its memory (KV cache, weights) before the next checkpoint's engine
         gc.collect()
         tm["generate_s"] = round(gen_s, 2)
         tm["problems_per_min"] = round(len(records) / (gen_s / 60), 2)

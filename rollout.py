@@ -3,9 +3,10 @@
     python rollout.py --model smollm2 --data math500 --limit 8 --n 2 --max-turns 2 --turn-tokens 128 \
         --temperature 1.0 --seed 0 --out out/rollout.jsonl [--engine vllm|hf]
 
-A turn generates at most `turn_tokens`. A turn that ends with EOS or a stop string is finished; one that
-hits the budget (and, with --intervene-on no-answer|both, one that ends with EOS but without an answer)
-gets the intervention sentence appended and the model continues, at most `max_turns` times. The result
+A turn generates at most `turn_tokens` and is cut right after its first complete answer (`answer_prefix`).
+A turn with an answer ends the trajectory; an answerless one (budget hit or EOS: the reference rule,
+`wants_intervention`) gets the intervention sentence appended and the model continues, at most `max_turns`
+times (Zhao et al., "MuTIS", EMNLP 2025; the authors' mutis/llm_agent/generation.py). The result
 is one trajectory per sample: response_ids = policy tokens and intervention tokens interleaved,
 action_mask = 1 exactly on the policy's tokens. Everything stays on token ids: the model's tokens are
 never decoded and re-tokenized between turns; the intervention is tokenized once, wrapped as
@@ -16,8 +17,10 @@ with the trainer; under torchrun each rank owns an engine and samples its shard)
 transformers backend with KV cache for debugging and cross-checks.
 """
 import argparse
+import gc
 import json
 import os
+import sys
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -26,15 +29,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import die, load_causal_lm, load_tokenizer, resolve_model
-from reward import extract_answer  # reward.py depends on nothing: "no answer" means the same to both
+from model import choose_dtype, die, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs, resolve_model
+from reward import find_answer  # one answer detector for the turn rule and the reward
 
 INTERVENTIONS = {
     "paper": "Warning! Your previous action is invalid. Please try again:",
     "reference": "My previous action is invalid. If I want to give the final answer, I should put the answer "
                  "between <answer> and </answer>. Let me try again:",
 }
-INTERVENE_ON = ("budget", "no-answer", "both")
+TURN_RULES = ("reference", "paper")  # see wants_intervention
 
 # token_ids/logprobs: lists for one completion; stopped: ended on EOS or a stop string (else: length cap)
 Completion = namedtuple("Completion", "token_ids logprobs stopped")
@@ -64,18 +67,27 @@ def _check_deadline(deadline, timeout, done, total):
 
 # ----------------------------------------------------------------------------- vLLM engine
 
-def _vllm_reload_weights(llm, named_tensors):
-    """Reload full (name, tensor) pairs in HF names into the in-process worker (UniProcExecutor; also
-    under external_launcher). Private paths that move between vLLM versions: keep every one of them here."""
-    worker = llm.llm_engine.model_executor.driver_worker.worker
-    # load_weights fails after start-up on the CPU backend (weights are repacked); reload_weights works.
-    worker.reload_weights(weights_iterator=iter(named_tensors))
-    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
-    if hasattr(lm_head, "cpu_linear"):
-        # vLLM 0.32 CPU: a tied lm_head loads no tensor of its own, so its packed GEMM kept the old
-        # embedding matrix while the embedding itself was updated; repack it from the current weight.
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-    llm.reset_prefix_cache()  # cached KV was computed by the old weights
+def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
+    """The one place that relies on vLLM below its public `LLM` API (checked against vLLM 0.32; these paths
+    move between versions). The engine is in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, also forced by
+    external_launcher), so LLM.collective_rpc / LLM.apply_model call into the one worker directly, arguments
+    as they are (a generator of tensors, a closure), nothing serialised.
+      op="reload": load full (name, tensor) pairs in HF names, in place, through the worker's reload_weights
+        (model.load_weights fails after start-up on the CPU backend: weights are repacked at load).
+      op="shutdown": stop the engine core (LLM has no close())."""
+    if op == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
+        return
+    assert op == "reload", op
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+    if repack_tied_head:
+        def repack(model):
+            # vLLM 0.32 CPU: a tied lm_head loads no tensor of its own, so its packed GEMM kept the old
+            # embedding matrix while the embedding itself was updated; repack it from the current weight.
+            lm_head = getattr(model, "lm_head", None)
+            if hasattr(lm_head, "cpu_linear"):
+                lm_head.quant_method.process_weights_after_loading(lm_head)
+        llm.apply_model(repack)
 
 
 class VLLMEngine:
@@ -99,9 +111,23 @@ class VLLMEngine:
         else:
             kwargs["enable_sleep_mode"] = True  # weights offloaded / KV cache freed while the trainer runs
         if distributed:
-            # Colocated under torchrun: every rank builds its own engine (tp=1) and samples its own shard.
-            kwargs.update(distributed_executor_backend="external_launcher",
-                          data_parallel_size=int(os.environ.get("WORLD_SIZE", 1)))
+            # Colocated under torchrun (TRL's colocate mode): every rank builds its own engine and samples its own
+            # shard. external_launcher takes RANK/LOCAL_RANK from torchrun (device cuda:LOCAL_RANK) and adopts the
+            # trainer's default process group as its world; with tensor_parallel_size=1 and NO data_parallel_size,
+            # every vLLM group (TP, PP, DP) has one member: each engine is its own world of one, generate makes no
+            # collective, and ranks may make different numbers of calls (MuTIS: a rank whose samples all answered
+            # stops early; validation shards differ in size). data_parallel_size=WORLD_SIZE would make the engines
+            # one vLLM DP group whose generate calls must be made together (they all-reduce every step): deadlock.
+            # Start-up is still collective over the trainer's group (torch new_group for vLLM's groups, the
+            # MIN of every rank's KV-cache size): build the engine on every rank at once, in the same order, and
+            # after init_process_group -- without it vLLM calls init_process_group(world_size=1, rank=RANK)
+            # itself, which fails on every rank but 0.
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise RuntimeError("VLLMEngine(distributed=True) must be built after torch.distributed."
+                                   "init_process_group, on every rank (vLLM adopts the trainer's group)")
+            kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        tensor_parallel_size=1, logprobs_mode="processed_logprobs", **kwargs)
@@ -157,26 +183,55 @@ class VLLMEngine:
                                          o.finish_reason == "stop"))
         return results
 
-    def sleep(self, level=1):
-        """Free accelerator memory for training (level 1: offload weights, drop KV). No-op on CPU."""
+    def sleep(self, level=2):
+        """Free accelerator memory for training. Level 2 (default) drops weights and KV cache: every
+        sync_weights overwrites all weights, so there is nothing to keep (level 1 would keep a CPU copy
+        of the weights). A level-2 engine must be woken by sync_weights. No-op on CPU."""
         if not self.on_cpu and not self.sleeping:
             self.llm.sleep(level=level)
-            self.sleeping = True
+            self.sleeping = level
+
+    @staticmethod
+    def _empty_cache():
+        # vLLM's sleep-mode allocator maps its own memory: it cannot use blocks PyTorch's caching allocator
+        # still holds from training (activations, optimiser temporaries, gathered weights)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def wake_up(self):
+        """Wake without new weights (after a level-1 sleep only; level 2 dropped them: use sync_weights)."""
         if self.sleeping:
+            if self.sleeping >= 2:
+                raise RuntimeError("the engine slept at level 2 and has no weights: wake it with sync_weights")
+            self._empty_cache()
             self.llm.wake_up()
             self.llm.reset_prefix_cache()  # the KV cache was dropped
             self.sleeping = False
 
     def close(self):
-        """Shut the engine down. Under torchrun this also destroys the default process group (vLLM's
-        teardown does), so call it after the trainer's last collective, instead of destroy_process_group."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shut the engine down and free its memory (idempotent). Under torchrun this also destroys the default
+        process group (vLLM's teardown does), so call it after the trainer's last collective."""
+        if self.llm is not None:
+            _vllm_internal(self.llm, "shutdown")
+            self.llm = None
+            gc.collect()
+            self._empty_cache()
 
     def sync_weights(self, named_tensors):
-        """Load full (name, tensor) pairs in HF checkpoint names, e.g. model.full_state_dict(...)."""
-        _vllm_reload_weights(self.llm, named_tensors)
+        """Load full (name, tensor) pairs in HF checkpoint names, e.g. model.full_state_dict(...) (a generator:
+        each full tensor is gathered, loaded and dropped in turn). A sleeping engine is woken in the order that
+        fits in memory (as TRL and veRL do): empty PyTorch's cache, wake the weights, load them, empty the cache
+        again (the gathered tensors), then wake the KV cache; the prefix cache is reset (old weights' KV)."""
+        if self.sleeping:
+            self._empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+            self._empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        else:
+            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+        self.llm.reset_prefix_cache()
 
 
 # ----------------------------------------------------------------------------- transformers engine
@@ -184,9 +239,10 @@ class VLLMEngine:
 class HFEngine:
     """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
 
-    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=None, device=None):
+    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
+                                    attn_implementation=attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.seed = seed
@@ -256,7 +312,10 @@ class HFEngine:
         pass
 
     def close(self):
-        pass
+        self.model = None  # free the accelerator memory now, not at garbage collection
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def sync_weights(self, named_tensors):
@@ -268,12 +327,15 @@ class HFEngine:
 
 
 def make_engine(model_path, kind="vllm", dtype="bfloat16", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
-                distributed=False, enforce_eager=False):
+                distributed=False, enforce_eager=False, attn_implementation="sdpa"):
+    """distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
+    init_process_group). attn_implementation: the hf engine's transformers attention (vLLM picks its own)."""
     if kind == "vllm":
         return VLLMEngine(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                           max_model_len=max_model_len, distributed=distributed, enforce_eager=enforce_eager)
     if kind == "hf":
-        return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len)
+        return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                        attn_implementation=attn_implementation)
     raise ValueError(f"unknown engine kind {kind!r} (vllm|hf)")
 
 
@@ -283,11 +345,6 @@ def intervention_ids(tokenizer, text):
     """Token ids of the intervention: a INTERVENTIONS key or literal text, wrapped as its own paragraph."""
     text = INTERVENTIONS.get(text, text)
     return tokenizer.encode(f"\n\n{text}\n\n", add_special_tokens=False)
-
-
-def has_answer(text):
-    """Is there a final answer in the text, by reward.py's own extraction (so "no answer" means the same to both)?"""
-    return extract_answer(text) is not None
 
 
 def prepare_prompts(prompt_ids, max_prompt_length=None, truncate=False):
@@ -311,25 +368,84 @@ def sample_seed(seed, prompt_index, sample_index, turn):
     return int(np.random.SeedSequence([seed, prompt_index, sample_index, turn]).generate_state(1)[0] >> 1)
 
 
+def wants_intervention(answered, hit_budget, rule="reference"):
+    """The MuTIS turn rule: does a finished turn get the intervention (while turns remain)?
+
+    A turn holding an explicit final answer ends the trajectory under every rule. An answerless turn:
+      reference (default): is an invalid action whether it hit the per-turn budget or ended on EOS,
+        and gets the intervention -- the authors' code (Zhao et al., EMNLP 2025; mutis/llm_agent/
+        generation.py, execute_predictions_with_agent: every non-answer action is invalid);
+      paper: gets it only when the per-turn budget cut it; an answerless EOS ends the trajectory
+        (the paper's prose, which speaks of the budget case only).
+    """
+    if rule not in TURN_RULES:
+        raise ValueError(f"turn rule must be one of {TURN_RULES}, got {rule!r}")
+    return not answered and (hit_budget or rule == "reference")
+
+
+def answer_prefix(token_ids, decode, cut_at_answer=True):
+    """(n_keep, answer): the turn's explicit answer (reward.find_answer, so the turn rule and the reward
+    read answers alike) and how many of its tokens to keep. With cut_at_answer, as the reference cuts
+    turns (mutis/llm_agent/generation.py, _postprocess_responses), n_keep is the shortest token prefix
+    whose text holds the complete first answer: what follows (more reasoning, a second answer, EOS)
+    never enters training. Works on ids: the kept tokens are the model's own, never re-tokenized."""
+    found = find_answer(decode(token_ids), first=cut_at_answer)
+    if found is None or not cut_at_answer:
+        return len(token_ids), found
+    lo, hi = 1, len(token_ids)  # decoded length grows with the prefix: bisect for the first one reaching end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= found.end:
+            hi = mid
+        else:
+            lo = mid + 1
+    while lo < len(token_ids) and find_answer(decode(token_ids[:lo]), first=True) != found:
+        lo += 1  # a token boundary that decodes differently (merged spaces, split characters)
+    return lo, found
+
+
+def policy_text(response_ids, action_mask, decode):
+    """The policy's own tokens, turn by turn, joined by a blank line: what is scored, so that no
+    intervention text (whatever --intervention-text says) is ever read as the model's answer."""
+    turns, run = [], []
+    for token, is_action in zip(response_ids, action_mask):
+        if is_action:
+            run.append(token)
+        elif run:
+            turns.append(run)
+            run = []
+    return "\n\n".join(decode(ids) for ids in turns + [run] if ids)
+
+
 class Rollout(list):
     """Trajectory dicts, prompt-major (prompt_index, then sample_index); .stats holds timing and counts."""
     stats = {}
 
 
 def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_tokens=None, temperature=1.0,
-           top_p=1.0, seed=0, stop=(), intervene_on="budget", intervention_ids, eos_ids=None, timeout=None,
-           prompt_indices=None, desc=None):
+           top_p=1.0, seed=0, stop=(), turn_rule="reference", cut_at_answer=True, intervention_ids, eos_ids=None,
+           timeout=None, prompt_indices=None, desc=None):
     """Multi-turn intervention sampling. prompt_ids: list of id lists; prompt_indices: their global indices
     (for shards; default 0..len-1) -- seeds and `prompt_index` use them, so a shard reproduces its part of
     a single-engine run. Each turn sends every still-active sample in one engine call (prompt + response so
-    far; the prefix cache spares recomputing earlier turns). desc: label of a transient progress bar over
-    finished trajectories, advanced after each turn (None: no bar)."""
-    if intervene_on not in INTERVENE_ON:
-        raise ValueError(f"intervene_on must be one of {INTERVENE_ON}, got {intervene_on!r}")
+    far; the prefix cache spares recomputing earlier turns); `wants_intervention` decides what follows a
+    turn, `answer_prefix` where it is cut. eos_ids: every end-of-turn id (all of them end a turn).
+    desc: label of a transient progress bar over finished trajectories (None: no bar).
+
+    Each trajectory: response_ids (kept policy tokens and interventions interleaved), action_mask (1 on the
+    policy's tokens), rollout_logprobs, turns, interventions, answered (ended on an explicit answer),
+    cut_turns (turns cut after their answer), finished (answered, or ended by the model under the paper
+    rule), truncated (ran out of turns or room without an answer), response_text (everything, for people)
+    and policy_text (the policy's kept tokens only: what is scored, so no intervention is read as an answer).
+    """
+    if turn_rule not in TURN_RULES:
+        raise ValueError(f"turn_rule must be one of {TURN_RULES}, got {turn_rule!r}")
     if turn_tokens < 1 or max_turns < 0 or n < 1:
         raise ValueError("need turn_tokens >= 1, max_turns >= 0, n >= 1")
     iv = list(intervention_ids)
     eos = {engine.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
+    stop = list(stop) + (["</answer>"] if cut_at_answer and "</answer>" not in stop else [])  # ends a turn early
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     indices = list(range(len(prompt_ids))) if prompt_indices is None else list(prompt_indices)
     max_resp = max_response_tokens or 2**62
     ctx = engine.max_model_len
@@ -339,10 +455,16 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
             raise PromptTooLong(f"prompt {pi} has {len(p)} tokens, no room left in max_model_len {ctx}")
         for j in range(n):
             trajs.append(dict(prompt_ids=list(p), response_ids=[], action_mask=[], rollout_logprobs=[], turns=0,
-                              interventions=0, finished=False, truncated=False, prompt_index=pi, sample_index=j))
+                              interventions=0, answered=False, cut_turns=0, finished=False, truncated=False,
+                              prompt_index=pi, sample_index=j))
 
     def room(t):  # tokens this trajectory may still add, under both caps
         return min(max_resp - len(t["response_ids"]), ctx - len(t["prompt_ids"]) - len(t["response_ids"]))
+
+    def append(t, ids, logprobs, is_action):
+        t["response_ids"] += ids
+        t["action_mask"] += [int(is_action)] * len(ids)
+        t["rollout_logprobs"] += logprobs if is_action else [0.0] * len(ids)
 
     active, t0, calls = list(trajs), time.perf_counter(), 0
     bar = tqdm(total=len(trajs), desc=desc, disable=desc is None, leave=False, unit="traj")
@@ -354,33 +476,38 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
         seeds = [sample_seed(seed, t["prompt_index"], t["sample_index"], turn) for t in active]
         outs = engine.generate([t["prompt_ids"] + t["response_ids"] for t in active], budgets,
                                temperature=temperature, top_p=top_p, seed=seeds, stop=stop, n=1,
-                               eos_ids=eos_ids, timeout=timeout)
+                               eos_ids=sorted(eos), timeout=timeout)
         calls += 1
         still = []
         for t, (c,), budget in zip(active, outs, budgets):
             assert len(c.token_ids) <= budget, "engine exceeded max_tokens"
-            t["response_ids"] += c.token_ids
-            t["action_mask"] += [1] * len(c.token_ids)
-            t["rollout_logprobs"] += c.logprobs
+            keep, found = answer_prefix(c.token_ids, decode, cut_at_answer)
+            hit_budget = not c.stopped and budget == turn_tokens  # a smaller budget is a cap: no room to go on
+            intervene = wants_intervention(found is not None, hit_budget, turn_rule)
+            if intervene and c.stopped and c.token_ids and c.token_ids[-1] in eos:
+                keep -= 1  # the EOS of an answerless turn is no action when the trajectory goes on
             t["turns"] += 1
-            if c.stopped:  # EOS or stop string: done, unless EOS came without an answer and we intervene on that
-                want = (intervene_on != "budget" and c.token_ids[-1] in eos
-                        and not has_answer(engine.tokenizer.decode(t["response_ids"], skip_special_tokens=True)))
-            else:  # cut by a budget: intervene only if it was the turn budget (not a cap) and we do on budget
-                want = intervene_on != "no-answer" and budget == turn_tokens
-            if want and t["interventions"] < max_turns and room(t) > len(iv):  # >= 1 token after the intervention
-                t["response_ids"] += iv
-                t["action_mask"] += [0] * len(iv)
-                t["rollout_logprobs"] += [0.0] * len(iv)
+            t["cut_turns"] += keep < len(c.token_ids) and found is not None
+            t["answered"] = found is not None
+            kept_room = room(t) - keep
+            if intervene and t["interventions"] < max_turns and kept_room > len(iv):  # a token fits after it
+                append(t, c.token_ids[:keep], c.logprobs[:keep], True)
+                append(t, iv, None, False)
                 t["interventions"] += 1
                 still.append(t)
-            else:
-                t["finished"], t["truncated"] = c.stopped, not c.stopped
+                continue
+            if intervene:  # out of interventions or room: the turn keeps its EOS, as a last turn does
+                keep = len(c.token_ids)
+            append(t, c.token_ids[:keep], c.logprobs[:keep], True)
+            # answered, or stopped by the model without an answer under the paper rule; else cut by a cap
+            t["finished"] = found is not None or (c.stopped and not intervene)
+            t["truncated"] = not t["finished"]
         bar.update(len(active) - len(still))
         active = still
     bar.close()
     for t in trajs:
-        t["response_text"] = engine.tokenizer.decode(t["response_ids"], skip_special_tokens=True)
+        t["response_text"] = decode(t["response_ids"])
+        t["policy_text"] = policy_text(t["response_ids"], t["action_mask"], decode)
     rollout = Rollout(trajs)
     rollout.stats = dict(seconds=time.perf_counter() - t0, engine_calls=calls,
                          action_tokens=sum(sum(t["action_mask"]) for t in trajs))
@@ -459,11 +586,16 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="base seed; per-sample seeds derive from it")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable), kept in the output")
-    p.add_argument("--intervene-on", choices=INTERVENE_ON, default="budget",
-                   help="budget: turn hit its budget; no-answer: ended with EOS but no answer; both")
-    p.add_argument("--intervention-text", default="paper", help="paper | reference | literal text")
+    p.add_argument("--turn-rule", choices=TURN_RULES, default="reference",
+                   help="reference: intervene on every answerless turn; paper: only on budget cuts")
+    p.add_argument("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
+                   help="keep a turn's tokens after its first answer (scored on the last answer)")
+    p.add_argument("--intervention-text", default="reference", help="reference (default) | paper | literal text")
     p.add_argument("--engine", choices=("vllm", "hf"), default="vllm", help="generation backend")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 for vllm, float32 for hf)")
+    p.add_argument("--engine-dtype", "--dtype", dest="engine_dtype", default="auto",
+                   help="engine dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; float32 for "
+                        "--engine hf) | bfloat16 | float32 | float16 (--dtype: deprecated alias)")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM accelerator memory share")
     p.add_argument("--max-model-len", type=int, default=None, help="engine context length (default: model's)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: skip torch.compile (faster start-up)")
@@ -486,6 +618,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_logs(args.verbose)
     import data
 
     model_path = resolve_model(args.model)
@@ -499,7 +632,8 @@ def main(argv=None):
                                          args.max_prompt_length, args.truncate_prompts)
     except PromptTooLong as e:
         die(f"--data {args.data}: {e}")
-    dtype = args.dtype or ("bfloat16" if args.engine == "vllm" else "float32")
+    dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    print(f"[setup] {args.engine} engine dtype {dtype} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(model_path, kind=args.engine, dtype=dtype, seed=args.seed,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                          enforce_eager=args.enforce_eager)
@@ -507,9 +641,9 @@ def main(argv=None):
     try:
         rollout = sample(engine, prompts, n=args.n, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
                          max_response_tokens=args.max_response_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, stop=args.stop, intervene_on=args.intervene_on,
+                         seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
                          intervention_ids=intervention_ids(tokenizer, args.intervention_text),
-                         eos_ids=[tokenizer.eos_token_id], timeout=args.rollout_timeout)
+                         eos_ids=end_of_turn_ids(model_path, tokenizer), timeout=args.rollout_timeout)
     except (RolloutTimeout, PromptTooLong) as e:
         die(str(e))
     seconds = time.perf_counter() - t0

@@ -29,12 +29,18 @@ import data as data_lib
 import ppo
 import reward
 import rollout
-from model import (die, full_state_dict, init_distributed, load_causal_lm, load_critic, load_tokenizer,
-                   peak_rss_gb, resolve_model, save_critic, save_hf, shard, token_logprobs, values)
+from model import (check_attn_implementation, die, end_of_turn_ids, full_state_dict, init_distributed, load_causal_lm,
+                   load_critic, load_tokenizer, peak_rss_gb, resolve_model, save_critic, save_hf, shard, token_logprobs, values)
+from model import choose_dtype, quiet_logs
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        die(message)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     # what to train on
     a("--model", default="smollm2", help="policy: HF model directory or the 'smollm2' alias")
@@ -51,19 +57,22 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=64, help="prompts per step, global")
     # --n is ambiguous to torchrun's own parser (--nnodes, --nproc-per-node ...): use --samples-per-prompt there
     a("--n", "--samples-per-prompt", dest="n", type=int, default=8, help="samples per prompt")
-    a("--mini-batch-size", type=int, default=None, help="trajectories per optimiser step, global (default: the whole batch)")
+    a("--mini-batch-size", type=int, default=None,
+      help="trajectories per optimiser step, global (default: half the batch, two steps as in the reference run)")
     a("--micro-batch-size", type=int, default=4, help="trajectories per forward/backward on one rank")
     a("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     # optimisation
     a("--actor-lr", type=float, default=1e-6, help="actor learning rate")
     a("--critic-lr", type=float, default=1e-5, help="critic learning rate")
     a("--actor-warmup-ratio", type=float, default=0.95, help="share of steps with linear LR warm-up (actor)")
-    a("--critic-warmup-ratio", type=float, default=0.0, help="share of steps with linear LR warm-up (critic)")
-    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a("--critic-warmup-ratio", type=float, default=0.05, help="share of steps with linear LR warm-up (critic)")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     a("--grad-clip", type=float, default=1.0, help="max gradient norm")
     a("--entropy-coef", type=float, default=0.001, help="entropy bonus coefficient")
     # algorithm
-    a("--kl-coef", type=float, default=0.001, help="KL penalty coefficient in the token reward")
+    a("--kl-coef", type=float, default=0.001, help="KL penalty coefficient in the token reward (gae, rloo)")
+    a("--kl-loss-coef", type=float, default=None, help="KL-to-reference loss coefficient (default: 0.001 for grpo, else 0)")
+    a("--kl-loss-kind", default="k3", choices=["k1", "k2", "k3"], help="KL estimator of the loss term (k3 clamped, as veRL)")
     a("--kl-kind", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimator")
     a("--kl-target", type=float, default=None, help="adaptive KL controller target (default: fixed coefficient)")
     a("--kl-horizon", type=float, default=10000, help="adaptive KL controller horizon")
@@ -79,16 +88,20 @@ def parse_args(argv=None):
     # rollout
     a("--max-turns", type=int, default=3, help="interventions per trajectory at most (0 = single turn)")
     a("--turn-tokens", type=int, default=1000, help="token budget of one turn")
-    a("--max-prompt-length", type=int, default=4096, help="longest prompt in tokens")
+    a("--max-prompt-length", type=int, default=2048, help="longest prompt in tokens")
     a("--truncate-prompts", action="store_true", help="left-truncate long prompts instead of failing")
     a("--max-response-length", type=int, default=None, help="cap on all response tokens (default: turns * budget + interventions)")
-    a("--intervention-text", default="paper", help="paper | reference | literal text (both from DESIGN.md)")
-    a("--intervene-on", default="budget", choices=["budget", "no-answer", "both"], help="when to intervene")
+    a("--intervention-text", default="reference", help="reference (the authors' code, default) | paper | literal text")
+    a("--turn-rule", default="reference", choices=rollout.TURN_RULES,
+      help="reference: intervene on every answerless turn (the authors' code); paper: only on budget cuts")
+    a("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
+      help="keep a turn's tokens after its first answer (scored on the last answer)")
     a("--stop", action="append", default=None, help="stop string that ends a turn (repeatable), e.g. </answer>")
     a("--temperature", type=float, default=1.0, help="sampling temperature")
     a("--top-p", type=float, default=1.0, help="nucleus sampling")
     a("--engine", default="vllm", choices=["vllm", "hf"], help="rollout engine")
-    a("--engine-dtype", default="bfloat16", help="rollout engine dtype")
+    a("--engine-dtype", default="auto", help="rollout engine dtype: auto (bf16 on CUDA and on CPUs with native bf16, "
+                                             "else float32; float32 for --engine hf) | bfloat16 | float32 | float16")
     a("--gpu-memory-utilization", type=float, default=0.4, help="vLLM share of GPU memory")
     a("--enforce-eager", action="store_true", help="vLLM without compilation (faster start)")
     a("--rollout-timeout", type=float, default=None, help="seconds per engine call before failing")
@@ -101,11 +114,39 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seed for data order, sampling and init")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
     a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")
-    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (params stay fp32)")
+    a("--attn-implementation", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
+      help="transformers attention of actor, reference and critic (flash_attention_2 needs flash-attn and CUDA)")
+    a("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for the slowest rank (NCCL "
+                                                       "watchdog): longer than the slowest rank's rollout")
+    a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+      help="compute dtype, params stay fp32 (auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else float32)")
+    a("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
     a("--max-bad-steps", type=int, default=5, help="stop after K non-finite updates in a row")
     a("--wandb", action="store_true", help="log to Weights & Biases")
     a("--tensorboard", action="store_true", help="log to OUT/tb")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Flags that cannot work fail here, in one line, before any model loads."""
+    for flag in ("steps", "epochs", "batch_size", "n", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+                 "turn_tokens", "max_prompt_length", "max_response_length", "val_limit", "max_bad_steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            die(f"--{flag.replace('_', '-')} must be >= 1, got {value}" if flag != "n" else
+                f"--samples-per-prompt must be >= 1, got {value}")
+    if args.temperature <= 0:
+        die(f"--temperature must be > 0 for training (the PPO ratio needs sampled log-probs), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        die(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_turns < 0:
+        die(f"--max-turns must be >= 0, got {args.max_turns}")
+    if args.adv in ("grpo", "rloo") and args.n < 2:
+        die(f"--adv {args.adv} compares samples of the same prompt: needs --samples-per-prompt >= 2, got {args.n}")
+    if args.kl_loss_coef is None:
+        args.kl_loss_coef = 0.001 if args.adv == "grpo" else 0.0
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -120,6 +161,34 @@ def all_reduce_sum(values_list, device):
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
+
+
+def check_shared_out(out, rank, world, device):
+    """--out must be one directory for every rank (a filesystem shared by all nodes): rank 0 writes a token
+    file there, every rank must read it back; otherwise every rank stops with one line."""
+    if world == 1:
+        return
+    token = all_reduce_sum([float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0], device)[0]
+    path = out / f".shared-check-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    if rank == 0:
+        path.write_text(str(int(token)))
+    barrier()
+    try:
+        seen = path.read_text() == str(int(token))
+    except OSError:
+        seen = False
+    missing = all_reduce_sum([0.0 if seen else 1.0], device)[0]
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    if missing:
+        die(f"--out {out}: {int(missing)} of {world} ranks do not see the file rank 0 wrote there; --out must be "
+            f"on a filesystem shared by every node (checkpoints and metrics are written by rank 0 and read by all)")
+
+
+def all_reduce_dict(d, device):
+    """{name: local sum} -> {name: sum over ranks}; every rank passes the same keys."""
+    keys = sorted(d)
+    return dict(zip(keys, all_reduce_sum([float(d[k]) for k in keys], device)))
 
 
 def micro_slices(batch, rows, device):
@@ -138,12 +207,15 @@ def micro_slices(batch, rows, device):
 
 
 def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
-    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width.
+    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width, in batch order.
+    Rows of similar response length share a micro-batch (micro_slices drops only the columns that are padding
+    in all of its rows): about half the padding of consecutive rows on a rollout batch, same number of calls.
     desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
     B, R = batch["response_ids"].shape
     out = torch.zeros(B, R)
+    order = torch.argsort(batch["response_mask"].sum(1), stable=True)
     for i in tqdm(range(0, B, micro_size), desc=desc, disable=desc is None, leave=False, unit="micro"):
-        rows = torch.arange(i, min(i + micro_size, B))
+        rows = order[i:i + micro_size]
         with torch.no_grad(), autocast():
             res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
         out[rows, :res.shape[1]] = res.cpu()
@@ -206,6 +278,14 @@ def load_checkpoint(path, actor, critic, actor_opt, critic_opt, schedulers, rank
     return state
 
 
+def score(trajs, records, args):
+    """Binary accuracy of each trajectory's final answer, read from the policy's own text (never an
+    intervention); the first answer when turns are cut at it, else the last."""
+    recs = [records[t["prompt_index"]] for t in trajs]
+    return reward.score_batch([r["data_source"] for r in recs], [t["policy_text"] for t in trajs],
+                              [r["ground_truth"] for r in recs], first=args.cut_at_answer)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -216,34 +296,50 @@ def validate(engine, val_prompts, val_records, args, intervention_ids, eos_ids, 
     idx = list(range(rank, len(val_prompts), world))
     ro = rollout.sample(engine, [val_prompts[i] for i in idx], prompt_indices=idx, n=1, turn_tokens=args.turn_tokens,
                         max_turns=args.max_turns, max_response_tokens=args.max_response_length, temperature=0.0,
-                        seed=args.seed, stop=args.stop, intervene_on=args.intervene_on,
+                        seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
                         intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout,
                         desc="validate" if rank == 0 else None)
-    recs = [val_records[t["prompt_index"]] for t in ro]
-    scores = reward.score_batch([r["data_source"] for r in recs], [t["response_text"] for t in ro],
-                                [r["ground_truth"] for r in recs])
-    acc, tokens, turns, count = all_reduce_sum([
+    scores = score(ro, val_records, args)
+    acc, tokens, turns, answered, count = all_reduce_sum([
         sum(s["acc"] for s in scores), sum(len(t["response_ids"]) for t in ro),
-        sum(t["turns"] for t in ro), len(scores)], device)
-    return {"val/acc": acc / count, "val/response_length": tokens / count, "val/turns": turns / count}
+        sum(t["turns"] for t in ro), sum(t["answered"] for t in ro), len(scores)], device)
+    return {"val/acc": acc / count, "val/response_length": tokens / count, "val/turns": turns / count,
+            "val/answered": answered / count}
 
 
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_logs(args.verbose)
     args.stop = args.stop or []
-    rank, world, local_rank, device = init_distributed()
+    if args.dist_timeout <= 0:
+        die("--dist-timeout must be > 0 seconds")
+    rank, world, local_rank, device = init_distributed(timeout=args.dist_timeout)
     master = rank == 0
+    check_attn_implementation(args.attn_implementation, device)
     torch.manual_seed(args.seed), random.seed(args.seed), np.random.seed(args.seed)
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
-    mini_size = args.mini_batch_size or args.batch_size * args.n
+    rollouts = args.batch_size * args.n
+    mini_size = args.mini_batch_size or (rollouts // 2 if rollouts % (2 * world) == 0 else rollouts)
     if mini_size % world or (args.batch_size * args.n) % mini_size:
         die(f"--mini-batch-size {mini_size} must divide batch_size*n and be divisible by the number of ranks")
+    # One optimiser step per batch and advantages that ignore pi_old (grpo): the old log-probs are exactly the
+    # ones the update's own forward computes, so that forward pass is skipped
+    reuse_old = args.adv == "grpo" and args.ppo_epochs == 1 and mini_size == rollouts
+    if master and reuse_old:
+        print("[setup] old log-probs: taken from the update's forward (grpo, one optimiser step per batch), "
+              "one forward pass per step saved", flush=True)
     out = Path(args.out)
     if master:
         out.mkdir(parents=True, exist_ok=True)
+    check_shared_out(out, rank, world, device)
+    args.dtype, dtype_why = choose_dtype(args.dtype, device)
+    args.engine_dtype, engine_dtype_why = choose_dtype(args.engine_dtype, device, engine=args.engine)
+    if master:
+        print(f"[setup] dtype {args.dtype} ({dtype_why}); {args.engine} engine dtype {args.engine_dtype} "
+              f"({engine_dtype_why})", flush=True)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bfloat16" else nullcontext
 
     # ---- data: every rank sees the same order and takes its own shard of each batch
@@ -272,11 +368,13 @@ def main(argv=None):
     # ---- models: actor, frozen reference, critic (GAE only); fp32 master weights, FSDP2-sharded
     mp = torch.bfloat16 if (args.dtype == "bfloat16" and device.type == "cuda") else None
     shard_kw = dict(mixed_precision=mp, offload=args.offload, grad_checkpointing=args.grad_checkpointing)
-    actor = shard(load_causal_lm(model_path).to(device), **shard_kw)
-    ref = shard(load_causal_lm(model_path).to(device), mixed_precision=mp, offload=args.offload)
+    attn = args.attn_implementation
+    actor = shard(load_causal_lm(model_path, attn_implementation=attn).to(device), **shard_kw)
+    ref = shard(load_causal_lm(model_path, attn_implementation=attn).to(device), mixed_precision=mp, offload=args.offload)
     ref.requires_grad_(False)
     use_critic = args.adv == "gae"
-    critic = shard(load_critic(resolve_model(args.critic_model or args.model)).to(device), **shard_kw) if use_critic else None
+    critic = (shard(load_critic(resolve_model(args.critic_model or args.model), attn_implementation=attn).to(device),
+                    **shard_kw) if use_critic else None)
     actor_opt = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay) if use_critic else None
     schedulers = [torch.optim.lr_scheduler.LambdaLR(actor_opt, lr_lambda(total_steps, args.actor_warmup_ratio))]
@@ -293,8 +391,9 @@ def main(argv=None):
     engine = rollout.make_engine(model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  max_model_len=longest_prompt + args.max_response_length,
-                                 enforce_eager=args.enforce_eager, distributed=world > 1)
-    eos_ids = [tokenizer.eos_token_id]
+                                 enforce_eager=args.enforce_eager, distributed=world > 1,
+                                 attn_implementation=args.attn_implementation)  # every rank, after the group exists
+    eos_ids = end_of_turn_ids(model_path, tokenizer)
 
     start_step, state = 0, {}
     if args.resume and (out / "latest").exists():
@@ -338,7 +437,8 @@ def main(argv=None):
                                turn_tokens=args.turn_tokens, max_turns=args.max_turns,
                                max_response_tokens=args.max_response_length, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed * 1_000_003 + step, stop=args.stop,
-                               intervene_on=args.intervene_on, intervention_ids=intervention_ids, eos_ids=eos_ids,
+                               turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
+                               intervention_ids=intervention_ids, eos_ids=eos_ids,
                                timeout=args.rollout_timeout, desc=bar_label("rollout"))
         engine.sleep()  # frees the KV cache for training on GPU; a no-op on CPU
         batch = rollout.to_batch(trajs, tokenizer.pad_token_id)
@@ -346,9 +446,7 @@ def main(argv=None):
 
         # ---- 2. score: binary accuracy on the final answer
         t0 = time.time()
-        recs = [train_records[t["prompt_index"]] for t in trajs]
-        scores_d = reward.score_batch([r["data_source"] for r in recs], [t["response_text"] for t in trajs],
-                                      [r["ground_truth"] for r in recs])
+        scores_d = score(trajs, train_records, args)
         scores = torch.tensor([s["score"] for s in scores_d], dtype=torch.float32)  # [B]
         timer["reward"] = time.time() - t0
 
@@ -358,7 +456,8 @@ def main(argv=None):
                                           temperature=max(args.temperature, 1e-6))
         fwd = dict(micro_size=args.micro_batch_size, autocast=autocast, device=device)
         ref_logprobs = forward_pass(lambda mb: lp(ref, mb), batch, **fwd, desc=bar_label("ref logprobs"))   # [B, R]
-        old_logprobs = forward_pass(lambda mb: lp(actor, mb), batch, **fwd, desc=bar_label("old logprobs"))  # [B, R]
+        old_logprobs = (None if reuse_old else                                                 # [B, R]
+                        forward_pass(lambda mb: lp(actor, mb), batch, **fwd, desc=bar_label("old logprobs")))
         old_values = (forward_pass(lambda mb: values(critic, mb["input_ids"], mb["attention_mask"],
                                                      mb["response_start"]), batch, **fwd, desc=bar_label("values"))
                       if use_critic else None)                                                # [B, R]
@@ -366,22 +465,20 @@ def main(argv=None):
 
         # ---- 4. token rewards and advantages, over action tokens only
         action_mask = batch["action_mask"].float()                                  # [B, R]
-        kl = ppo.kl_penalty(old_logprobs, ref_logprobs, args.kl_kind)               # [B, R]
-        rewards = ppo.token_rewards(scores, kl, action_mask, kl_ctl.value)          # [B, R]
-        if use_critic:
-            advantages, returns = ppo.compute_gae(rewards, old_values, action_mask, args.gamma, args.lam)
-            if not args.no_whiten:
-                advantages = global_whiten(advantages, action_mask, device)
-        else:  # the group baseline sees each sequence's total reward: score - kl_coef * sum of its token KLs
-            group_ids = torch.tensor([t["prompt_index"] for t in trajs])
-            advantages, returns = ppo.group_advantages(rewards.sum(1), group_ids, action_mask, args.adv), None
-        batch.update(old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
+        # KL(old || ref) per token; with reuse_old it is measured in the update (grpo's advantages ignore it)
+        kl = ppo.kl_penalty(old_logprobs, ref_logprobs, args.kl_kind) if not reuse_old else torch.zeros_like(ref_logprobs)
+        group_ids = torch.tensor([t["prompt_index"] for t in trajs])                 # [B]
+        advantages, returns = compute_advantages(args, scores, kl, kl_ctl.value, old_values, action_mask,
+                                                 group_ids, device)                 # [B, R] each (returns: GAE)
+        batch.update(ref_logprobs=ref_logprobs, advantages=advantages, action_mask=action_mask)
+        if not reuse_old:
+            batch.update(old_logprobs=old_logprobs)
         if use_critic:
             batch.update(old_values=old_values, returns=returns)
 
         # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
         t0 = time.time()
-        stats, grad_norms, skipped = [], [], 0
+        stats, skipped = [], 0
         local_mini = mini_size // world
         gen = torch.Generator().manual_seed(args.seed + step)
         progress = tqdm(total=args.ppo_epochs * math.ceil(len(trajs) / local_mini), desc=bar_label("update"),
@@ -390,9 +487,9 @@ def main(argv=None):
             perm = torch.randperm(len(trajs), generator=gen)
             for start in range(0, len(trajs), local_mini):
                 mini = perm[start:start + local_mini]
-                ok, s, gn = ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device)
-                stats.append(s), grad_norms.append(gn)
-                skipped += not ok
+                s, n_skipped = ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device)
+                stats.append(s)
+                skipped += n_skipped
                 progress.update()
         progress.close()
         for sched in schedulers:
@@ -402,30 +499,35 @@ def main(argv=None):
 
         # ---- 6. sync the new weights into the engine
         t0 = time.time()
-        engine.wake_up()
-        engine.sync_weights(full_state_dict(actor))
+        engine.sync_weights(full_state_dict(actor))  # wakes a sleeping engine: weights, load, then KV cache
         timer["sync"] = time.time() - t0
 
-        # ---- 7. log
-        n_tokens = int(batch["response_mask"].sum())
-        local = [float(scores.sum()), sum(s["acc"] for s in scores_d), float(batch["response_mask"].sum(1).sum()),
-                 sum(t["turns"] for t in trajs), sum(t["interventions"] for t in trajs),
-                 sum(t["truncated"] for t in trajs), float((kl * action_mask).sum()), float(action_mask.sum()),
-                 len(trajs), n_tokens]
-        (score_sum, acc_sum, len_sum, turn_sum, int_sum, trunc_sum, kl_sum, act_sum, count,
-         tok_sum) = all_reduce_sum(local, device)
+        # ---- 7. log: sums over every rank's trajectories
+        act = action_mask.bool()
+        totals = all_reduce_dict({
+            "score": float(scores.sum()), "acc": sum(s["acc"] for s in scores_d), "count": len(trajs),
+            "tokens": float(batch["response_mask"].sum()), "turns": sum(t["turns"] for t in trajs),
+            "interventions": sum(t["interventions"] for t in trajs), "truncated": sum(t["truncated"] for t in trajs),
+            "answered": sum(t["answered"] for t in trajs), "cut_turns": sum(t["cut_turns"] for t in trajs),
+            "kl": float(kl[act].sum()), "actions": float(act.sum()),
+            "logprob_gap": 0.0 if reuse_old else float((batch["rollout_logprobs"] - old_logprobs).abs()[act].sum())},
+            device)
+        count, actions = totals["count"], max(totals["actions"], 1.0)
         timer["step"] = time.time() - t_step
-        kl_ctl.update(kl_sum / max(act_sum, 1), args.batch_size * args.n)
-        metrics = {"step": step, "reward/mean": score_sum / count, "acc/mean": acc_sum / count,
-                   "response_length/mean": len_sum / count, "turns/mean": turn_sum / count,
-                   "interventions/mean": int_sum / count, "truncated/share": trunc_sum / count,
-                   "kl": kl_sum / max(act_sum, 1), "kl_coef": kl_ctl.value,
-                   "actor_lr": schedulers[0].get_last_lr()[0], "grad_norm": float(np.mean(grad_norms)),
-                   "skipped_updates": skipped, "throughput/tokens_per_s": tok_sum / timer["step"],
-                   "peak_rss_gb": peak_rss_gb()}
-        for key in stats[0]:
-            metrics[key] = float(np.mean([s[key] for s in stats]))
+        metrics = {"step": step, "reward/mean": totals["score"] / count, "acc/mean": totals["acc"] / count,
+                   "response_length/mean": totals["tokens"] / count, "turns/mean": totals["turns"] / count,
+                   "interventions/mean": totals["interventions"] / count,
+                   "truncated/share": totals["truncated"] / count, "answered/share": totals["answered"] / count,
+                   "turns/cut_at_answer_share": totals["cut_turns"] / max(totals["turns"], 1),
+                   "kl": totals["kl"] / actions, "kl_coef": kl_ctl.value,  # this step's coefficient
+                   "rollout/logprob_gap": totals["logprob_gap"] / actions,
+                   "actor_lr": schedulers[0].get_last_lr()[0], "skipped_updates": skipped,
+                   "throughput/tokens_per_s": totals["tokens"] / timer["step"], "peak_rss_gb": peak_rss_gb()}
+        for key in sorted({k for s in stats for k in s}):  # a skipped update leaves its statistics out
+            kept = [s[key] for s in stats if key in s and math.isfinite(s[key])]
+            metrics[key] = float(np.mean(kept)) if kept else float("nan")
         metrics.update({f"time/{k}": v for k, v in timer.items()})
+        kl_ctl.update(metrics["kl"], args.batch_size * args.n)
 
         if args.test_freq and val_records and (step % args.test_freq == 0 or step == total_steps):
             t0 = time.time()
@@ -460,47 +562,105 @@ def main(argv=None):
 
 
 def ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device):
-    """One optimiser step of the actor (and critic) on a mini-batch of trajectories."""
-    mini_tokens = float(batch["action_mask"][mini].sum())
-    stats, grad_norm = {}, float("nan")
-    for model, opt in ((actor, actor_opt), (critic, critic_opt)):
-        if model is None:
-            continue
+    """One optimiser step of the actor and one of the critic on a mini-batch of trajectories (this rank's
+    rows `mini`) -> (statistics averaged over every rank's action tokens, number of skipped steps)."""
+    tokens = all_reduce_sum([float(batch["action_mask"][mini].sum())], device)[0]  # the global mini-batch's
+    stats, skipped = {}, 0
+    steps = [(actor, actor_opt, lambda mb: actor_loss(actor, mb, args), "grad_norm")]
+    if critic is not None:
+        steps.append((critic, critic_opt, lambda mb: critic_loss(critic, mb, args), "critic_grad_norm"))
+    for model, opt, loss_fn, norm_key in steps:
+        s, grad_norm, ok = accumulate_and_step(model, opt, loss_fn, batch, mini, tokens, args, autocast, device)
+        stats.update(s, **{norm_key: grad_norm})
+        skipped += not ok
+    return stats, skipped
+
+
+def actor_loss(actor, mb, args):
+    """PPO clipped surrogate - entropy bonus (+ KL-to-reference loss, GRPO) on one micro-batch."""
+    mask = mb["action_mask"]                                                         # [b, r]
+    logprobs, entropy = token_logprobs(actor, mb["input_ids"], mb["attention_mask"], mb["response_start"],
+                                       temperature=args.temperature, with_entropy=True)  # [b, r] each
+    old = mb.get("old_logprobs")
+    if old is None:  # the one optimiser step on this batch: pi_old is the policy computing these log-probs
+        old = logprobs.detach().float()
+        s = {"kl": ppo.masked_mean(ppo.kl_penalty(old, mb["ref_logprobs"], args.kl_kind), mask),
+             "rollout/logprob_gap": ppo.masked_mean((mb["rollout_logprobs"] - old).abs(), mask)}
+    else:
+        s = {}
+    pg, pg_stats = ppo.policy_loss(logprobs.float(), old, mb["advantages"], mask,
+                                   args.clip_low, args.clip_high, args.dual_clip, args.loss_agg)
+    s.update(pg_stats)
+    ent = ppo.agg_loss(entropy.float(), mask, args.loss_agg)
+    loss = pg - args.entropy_coef * ent
+    s.update(pg_loss=pg.detach(), entropy=ent.detach())
+    if args.kl_loss_coef:
+        kl = ppo.kl_loss(logprobs.float(), mb["ref_logprobs"], mask, args.kl_loss_kind, args.loss_agg)
+        loss = loss + args.kl_loss_coef * kl
+        s.update(kl_loss=kl.detach())
+    return loss, s
+
+
+def critic_loss(critic, mb, args):
+    v = values(critic, mb["input_ids"], mb["attention_mask"], mb["response_start"])  # [b, r]
+    loss, s = ppo.value_loss(v.float(), mb["old_values"], mb["returns"], mb["action_mask"], args.value_clip,
+                             args.loss_agg)
+    s.update(vf_loss=loss.detach())
+    return loss, s
+
+
+def accumulate_and_step(model, opt, loss_fn, batch, mini, tokens, args, autocast, device):
+    """Accumulate loss_fn's gradients over micro-batches, then one clipped optimiser step, skipped on every
+    rank when any rank's loss or the gradient norm is not finite -> (stats, grad norm, stepped).
+
+    Micro-batch weights make the accumulated gradient the mini-batch aggregate over *all* ranks: FSDP
+    averages gradients over the W ranks, so under token-mean a micro-batch with m action tokens weighs
+    m * W / tokens (tokens: the global mini-batch's), and every token counts the same whichever rank holds it."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mini = mini[torch.argsort(batch["response_mask"][mini].sum(1), stable=True)]  # like lengths together: less padding
+    opt.zero_grad(set_to_none=True)
+    model.train()  # transformers checkpoints activations only in train mode
+    sums, finite = {}, True
+    for i in range(0, len(mini), args.micro_batch_size):
+        rows = mini[i:i + args.micro_batch_size]
+        mb = micro_slices(batch, rows, device)
+        if args.loss_agg == "token-mean":
+            weight = float(mb["action_mask"].sum()) * world / max(tokens, 1.0)
+        else:  # sequence means: every rank holds the same number of rows
+            weight = len(rows) / len(mini)
+        with autocast():
+            loss, s = loss_fn(mb)
+        (loss * weight).backward()
+        finite = finite and math.isfinite(float(loss.detach()))
+        for k, val in s.items():
+            sums[k] = sums.get(k, 0.0) + float(val) * weight / world
+    model.eval()
+    stats = all_reduce_dict(sums, device)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    finite = all_reduce_sum([float(not finite)], device)[0] == 0 and math.isfinite(grad_norm)
+    if not finite:
         opt.zero_grad(set_to_none=True)
-        finite = True
-        for i in range(0, len(mini), args.micro_batch_size):
-            rows = mini[i:i + args.micro_batch_size]
-            mb = micro_slices(batch, rows, device)
-            mask = mb["action_mask"]                                          # [b, r]
-            # weight so that accumulated micro-batch losses equal the mini-batch aggregate
-            weight = float(mask.sum()) / max(mini_tokens, 1.0) if args.loss_agg == "token-mean" else len(rows) / len(mini)
-            with autocast():
-                if model is actor:
-                    logprobs, entropy = token_logprobs(actor, mb["input_ids"], mb["attention_mask"], mb["response_start"],
-                                                       temperature=max(args.temperature, 1e-6), with_entropy=True)
-                    pg, s = ppo.policy_loss(logprobs.float(), mb["old_logprobs"], mb["advantages"], mask,
-                                            args.clip_low, args.clip_high, args.dual_clip, args.loss_agg)
-                    ent = ppo.agg_loss(entropy.float(), mask, args.loss_agg)
-                    loss = pg - args.entropy_coef * ent
-                    s.update(pg_loss=pg.detach(), entropy=ent.detach())
-                else:
-                    v = values(critic, mb["input_ids"], mb["attention_mask"], mb["response_start"])
-                    loss, s = ppo.value_loss(v.float(), mb["old_values"], mb["returns"], mask, args.value_clip,
-                                             args.loss_agg)
-                    s.update(vf_loss=loss.detach())
-            (loss * weight).backward()
-            finite = finite and math.isfinite(float(loss.detach()))
-            for k, val in s.items():
-                stats[k] = stats.get(k, 0.0) + float(val) * weight
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-        grad_norm = gn if model is actor else grad_norm
-        if not (finite and math.isfinite(gn)):
-            opt.zero_grad(set_to_none=True)
-            print(f"[warn] non-finite loss or grad norm ({gn}); update skipped", file=sys.stderr, flush=True)
-            return False, stats, float("nan")
-        opt.step()
-    return True, stats, grad_norm
+        print(f"[warn] non-finite loss or gradient norm ({grad_norm}); {type(model).__name__} update skipped",
+              file=sys.stderr, flush=True)
+        return stats, grad_norm, False
+    opt.step()
+    return stats, grad_norm, True
+
+
+def compute_advantages(args, scores, kl, kl_coef, old_values, action_mask, group_ids, device):
+    """Advantages over action tokens -> (advantages [B, R], returns [B, R] or None).
+    gae: token rewards (score on the last action token, -kl_coef * KL on each) through GAE, whitened over
+    all ranks. grpo: the group-normalised scores alone -- a group whose scores are all equal gets zero,
+    whatever the KL (that goes into the loss, --kl-loss-coef). rloo: leave-one-out baseline of each
+    sequence's total reward, score - kl_coef * its summed token KL."""
+    rewards = ppo.token_rewards(scores, kl, action_mask, kl_coef)                         # [B, R]
+    if args.adv == "gae":
+        advantages, returns = ppo.compute_gae(rewards, old_values, action_mask, args.gamma, args.lam)
+        return (advantages if args.no_whiten else global_whiten(advantages, action_mask, device)), returns
+    if args.adv == "grpo":
+        return ppo.group_advantages(scores, group_ids, action_mask, "grpo"), None
+    return ppo.group_advantages(rewards.sum(1), group_ids, action_mask, "rloo"), None
 
 
 def global_whiten(x, mask, device):

@@ -173,12 +173,15 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
 def smol_engine(smollm2_dir):
     import rollout
 
-    return rollout.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024)
+    engine = rollout.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024,
+                                 gpu_memory_utilization=0.25)  # GPU: leaves room for eval.py subprocesses
+    yield engine
+    engine.close()
 
 
 def gen_args(**kw):
     base = dict(max_tokens=64, budgets=[], n=1, max_turns=0, turn_tokens=1000, intervention="paper",
-                intervene_on="budget", temperature=0.0, top_p=1.0, seed=0, batch_size=64)
+                turn_rule="reference", cut_at_answer=True, temperature=0.0, top_p=1.0, seed=0, batch_size=64)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -233,7 +236,7 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     tok = load_tokenizer(smollm2_dir)
     records = gsm8k_records(2)
     iv = len(rollout.intervention_ids(tok, "paper"))
-    args = dict(max_turns=1, turn_tokens=8, intervention="paper", intervene_on="budget")
+    args = dict(max_turns=1, turn_tokens=8, intervention="paper", turn_rule="reference", cut_at_answer=True)
     budgets = [5, 8 + iv // 2, 8 + iv + 4]  # inside turn 1, inside the intervention, inside turn 2
     long = ev.generate(smol_engine, tok, records, gen_args(max_tokens=8 + iv + 8, **args))
     assert all(s["_turns"] == 2 and s["_action_mask"][8:8 + iv] == [0] * iv for s in long)

@@ -1,7 +1,6 @@
 """Tests for rollout.py on a random tiny Llama (it almost never emits EOS: good for budgets and interventions).
 One vLLM engine and one transformers engine per session; the 2-rank test runs torchrun in a subprocess."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +20,16 @@ def vllm_engine(tiny_model_dir):
     """The one vLLM engine of this file; closed at the end so that later test files get the memory and an
     uninitialised torch.distributed back (vLLM sets up a world-size-1 group in-process)."""
     engine = rollout.make_engine(tiny_model_dir, kind="vllm", dtype="float32", seed=0, max_model_len=MAX_LEN,
-                                 enforce_eager=True)
+                                 enforce_eager=True, gpu_memory_utilization=0.25)  # GPU: room for the other engines
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model_dir):
-    return rollout.make_engine(tiny_model_dir, kind="hf", dtype="float32", seed=0, max_model_len=MAX_LEN)
+    engine = rollout.make_engine(tiny_model_dir, kind="hf", dtype="float32", seed=0, max_model_len=MAX_LEN)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,23 +127,24 @@ def test_response_and_context_caps_truncate(vllm_engine, prompts, iv):
 
 def test_eos_and_stop_strings_finish_a_turn(vllm_engine, hf_engine, prompts, iv, tok):
     greedy = vllm_engine.generate(prompts[:1], 12, temperature=0)[0][0].token_ids
-    eos = greedy[4]  # pretend the 5th greedy token is EOS: the turn must stop there, EOS kept
+    eos = greedy[4]  # pretend the 5th greedy token is EOS: the turn must stop there
+    k = greedy.index(eos)
     for engine in (vllm_engine, hf_engine):
+        # paper rule: an answerless EOS ends the trajectory, EOS kept
+        (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
+                              intervention_ids=iv, eos_ids=[eos], turn_rule="paper")
+        assert t["response_ids"] == greedy[:k + 1] and t["finished"] and t["turns"] == 1
+        # reference rule: an EOS without \boxed / <answer> gets the intervention instead of its EOS
         (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
                               intervention_ids=iv, eos_ids=[eos])
-        assert t["response_ids"] == greedy[:greedy.index(eos) + 1] and t["finished"] and t["turns"] == 1
-        # no-answer: an EOS without \boxed / <answer> gets the intervention, the model goes on
-        (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
-                              intervention_ids=iv, eos_ids=[eos], intervene_on="no-answer")
-        check_trajectory(t, iv, 12, 2)
-        assert t["interventions"] >= 1 and t["response_ids"][:greedy.index(eos) + 1] == greedy[:greedy.index(eos) + 1]
+        assert t["interventions"] >= 1 and t["response_ids"][:k + len(iv)] == greedy[:k] + iv
     # a stop string: the turn ends on the token that completes it, which stays in the output
     text = tok.decode(greedy)
     stop = text[len(tok.decode(greedy[:3])):][:2]  # two characters produced by the 4th token onwards
     outs = []
     for engine in (vllm_engine, hf_engine):
         (t,) = rollout.sample(engine, prompts[:1], n=1, turn_tokens=12, max_turns=2, temperature=0, seed=0,
-                              intervention_ids=iv, stop=[stop])
+                              intervention_ids=iv, stop=[stop], turn_rule="paper")
         k = len(t["response_ids"])
         assert stop in tok.decode(t["response_ids"]) and stop not in tok.decode(t["response_ids"][:k - 1])
         assert t["finished"] and t["turns"] == 1 and t["response_ids"] == greedy[:k]
@@ -169,9 +171,9 @@ def test_rollout_logprobs_match_a_forward_pass(vllm_engine, hf_engine, prompts, 
     ro = rollout.sample(vllm_engine, prompts[:2], n=1, turn_tokens=8, max_turns=1, temperature=0.7, seed=3,
                         intervention_ids=iv)
     for t in ro:
-        ids = torch.tensor([t["prompt_ids"] + t["response_ids"]])
+        ids = torch.tensor([t["prompt_ids"] + t["response_ids"]], device=hf_engine.device)
         with torch.no_grad():
-            logits = hf_engine.model(ids).logits[0, len(t["prompt_ids"]) - 1:-1].float() / 0.7  # [R, V]
+            logits = hf_engine.model(ids).logits[0, len(t["prompt_ids"]) - 1:-1].float().cpu() / 0.7  # [R, V]
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t["response_ids"])[:, None])[:, 0]
         mask = torch.tensor(t["action_mask"]).bool()
         assert torch.allclose(ref[mask], torch.tensor(t["rollout_logprobs"])[mask], atol=1e-4)
@@ -209,6 +211,35 @@ def test_sync_weights_changes_and_restores(vllm_engine, hf_engine, tiny_model_di
     assert [o[0].logprobs for o in back] == [o[0].logprobs for o in base]
 
 
+def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prompts, iv):
+    """rollout/logprob_gap (train.py): mean |engine log-prob - trainer log-prob| over action tokens. In sync it
+    is ~0; after the engine gets other weights than the trainer has, it jumps."""
+    import ppo
+    from model import token_logprobs
+
+    trainer = load_causal_lm(tiny_model_dir).eval()
+
+    def gap():
+        ro = rollout.sample(vllm_engine, prompts[:3], n=2, turn_tokens=8, max_turns=1, temperature=0.8, seed=5,
+                            intervention_ids=iv)
+        b = rollout.to_batch(ro, pad_id=0)
+        ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1)
+        mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1)
+        with torch.no_grad():
+            lp = token_logprobs(trainer, ids, mask, b["prompt_ids"].shape[1], temperature=0.8)
+        return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
+
+    in_sync = gap()
+    original = {k: v.detach().clone() for k, v in trainer.named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    try:
+        vllm_engine.sync_weights([(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in original.items()])
+        broken = gap()
+    finally:
+        vllm_engine.sync_weights(original.items())
+    assert in_sync < 1e-3 and broken > 100 * max(in_sync, 1e-4), (in_sync, broken)
+
+
 def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv):
     with pytest.raises(rollout.RolloutTimeout, match="rollout-timeout"):
         rollout.sample(vllm_engine, prompts * 4, n=4, turn_tokens=200, temperature=1.0, intervention_ids=iv,
@@ -219,14 +250,13 @@ def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv)
     assert len(out) == len(prompts) and all(len(o[0].token_ids) == 3 for o in out)
 
 
-def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path):
+def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path, vllm_two_rank_env):
     kwargs = dict(n=2, turn_tokens=6, max_turns=2, temperature=0.0, seed=0, intervention_ids=iv)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(dict(prompts=prompts, max_model_len=MAX_LEN, kwargs=kwargs)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "_rollout_worker.py"), tiny_model_dir, str(spec), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=vllm_two_rank_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shards = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(s["total"] == 2 * len(prompts) for s in shards)  # the gloo all_reduce saw both ranks
@@ -271,8 +301,7 @@ def test_shards_are_disjoint_and_cover():
         assert sorted(i for s in shards for i in s) == list(range(n))
 
 
-def test_has_answer_and_interventions(tok):
-    assert rollout.has_answer("so the result is \\boxed{4}.") and not rollout.has_answer("it is four")
+def test_interventions(tok):
     ids = rollout.intervention_ids(tok, "reference")
     assert tok.decode(ids) == "\n\n" + rollout.INTERVENTIONS["reference"] + "\n\n"
     assert tok.decode(rollout.intervention_ids(tok, "Try again.")) == "\n\nTry again.\n\n"

@@ -24,10 +24,10 @@ def train_args(model_dir, out, steps, *extra):
             *extra]
 
 
-def torchrun(args, nproc=2, timeout=900):
+def torchrun(args, env, nproc=2, timeout=900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -37,10 +37,10 @@ def metrics(out):
 
 
 @pytest.fixture(scope="module")
-def three_steps(tiny_model_dir, tmp_path_factory):
+def three_steps(tiny_model_dir, tmp_path_factory, vllm_two_rank_env):
     """An uninterrupted 3-step run on 2 ranks that checkpoints at steps 2 and 3."""
     out = tmp_path_factory.mktemp("train") / "full"
-    torchrun(train_args(tiny_model_dir, out, 3, "--save-freq", "2"))
+    torchrun(train_args(tiny_model_dir, out, 3, "--save-freq", "2"), vllm_two_rank_env)
     return out
 
 
@@ -59,12 +59,12 @@ def test_two_rank_run_writes_metrics_and_checkpoints(three_steps):
     assert not list(three_steps.glob("*.tmp"))
 
 
-def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_path):
+def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_path, vllm_two_rank_env):
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(three_steps / "step_000002", out / "step_000002")
     (out / "latest").symlink_to("step_000002")
-    torchrun(train_args(tiny_model_dir, out, 3, "--resume"))
+    torchrun(train_args(tiny_model_dir, out, 3, "--resume"), vllm_two_rank_env)
     full, resumed = metrics(three_steps)[-1], metrics(out)[-1]
     assert resumed["step"] == full["step"] == 3
     assert resumed["reward/mean"] == full["reward/mean"]
@@ -84,7 +84,8 @@ def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir)
     with torch.no_grad():
         lt, lb = trained(ids).logits, base(ids).logits
     assert torch.isfinite(lt).all() and not torch.allclose(lt, lb)  # trained weights, not the base ones
-    engine = rollout.make_engine(str(actor), kind="vllm", dtype="float32", max_model_len=256, enforce_eager=True)
+    engine = rollout.make_engine(str(actor), kind="vllm", dtype="float32", max_model_len=256, enforce_eager=True,
+                                 gpu_memory_utilization=0.25)
     try:
         (out,), = engine.generate([ids[0].tolist()], 8, temperature=0.0)
     finally:
@@ -132,3 +133,35 @@ def test_bad_flags_exit_2(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(tmp_path / "missing.jsonl"),
                            "--model", str(tiny_model_dir)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+NAN_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+real, calls = train.ppo.policy_loss, []
+def nan_on_rank1(*a, **k):  # step 1, second mini-batch, rank 1 only: rank 0 must skip with it
+    calls.append(1)
+    loss, stats = real(*a, **k)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        loss = loss * float("nan")
+    return loss, stats
+train.ppo.policy_loss = nan_on_rank1
+train.main(sys.argv[1:])
+"""
+
+
+def test_nonfinite_minibatch_is_skipped_on_every_rank_and_training_goes_on(tiny_model_dir, tmp_path):
+    """GAE (actor + critic), two mini-batches per step, one of them non-finite on one rank only."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(NAN_WORKER.format(root=str(ROOT)))
+    out = tmp_path / "nan"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           *train_args(tiny_model_dir, out, 2, "--engine", "hf")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["skipped_updates"] for r in rows] == [1, 0]
+    assert rows[0]["vf_loss"] is not None and rows[0]["grad_norm"] is not None  # the other mini-batch's stats
+    assert proc.stderr.count("update skipped") == 2  # both ranks skipped the same step
