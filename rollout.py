@@ -130,7 +130,9 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
-                       tensor_parallel_size=1, logprobs_mode="processed_logprobs", **kwargs)
+                       tensor_parallel_size=1, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
+                       **kwargs)
+        self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
         # The CPU worker replaces torch.set_num_threads with a no-op; give the colocated trainer it back.
         torch.set_num_threads = set_threads
         self.tokenizer = self.llm.get_tokenizer()
@@ -221,7 +223,9 @@ class VLLMEngine:
         """Load full (name, tensor) pairs in HF checkpoint names, e.g. model.full_state_dict(...) (a generator:
         each full tensor is gathered, loaded and dropped in turn). A sleeping engine is woken in the order that
         fits in memory (as TRL and veRL do): empty PyTorch's cache, wake the weights, load them, empty the cache
-        again (the gathered tensors), then wake the KV cache; the prefix cache is reset (old weights' KV)."""
+        again (the gathered tensors), then wake the KV cache; the prefix cache is reset (old weights' KV).
+        Floating tensors are cast to the engine's dtype on the way (an fp32 trainer, a bf16 engine: half the copy)."""
+        named_tensors = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
         if self.sleeping:
             self._empty_cache()
             self.llm.wake_up(tags=["weights"])

@@ -33,13 +33,15 @@ def log(res):
 
 
 def plain_generate(engine, rows, max_tokens, temperature, features):
-    """One LLM.generate call; features=True adds per-request seeds and log-probs as the sampler uses them."""
+    """One LLM.generate call; features=True adds what the sampler asks of every request: a seed, log-probs and
+    the `</answer>` stop string (which needs detokenizing)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                              seed=1000 + i if features else None, logprobs=0 if features else None,
-                             detokenize=False) for i in range(len(rows))]
+                             stop=["</answer>"] if features else None, include_stop_str_in_output=True,
+                             detokenize=features) for i in range(len(rows))]
     t0 = time.perf_counter()
     outs = engine.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0

@@ -32,7 +32,9 @@ class RecordingLLM:
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         assert "weights" not in self.asleep, "weights loaded into memory that is not mapped"
-        names = [name for name, _ in kwargs["weights_iterator"]]  # consumes the generator, as vLLM does
+        loaded = list(kwargs["weights_iterator"])  # consumes the generator, as vLLM does
+        names = [name for name, _ in loaded]
+        self.dtypes = [t.dtype for _, t in loaded]
         self.log.append(("collective_rpc", method, names))
         return [None]
 
@@ -47,7 +49,7 @@ class RecordingLLM:
 def fake_engine(monkeypatch, on_cpu=False):
     log = []
     engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: the fake replaces engine.llm
-    engine.llm, engine.on_cpu, engine.sleeping = RecordingLLM(log), on_cpu, False
+    engine.llm, engine.on_cpu, engine.sleeping, engine.dtype = RecordingLLM(log), on_cpu, False, torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     return engine, log
@@ -91,6 +93,7 @@ def test_cpu_engine_never_sleeps_and_repacks_tied_head(monkeypatch):
     engine.sync_weights([("model.norm.weight", torch.ones(2))])
     assert log == [("collective_rpc", "reload_weights", ["model.norm.weight"]), ("apply_model",),
                    ("reset_prefix_cache",)]
+    assert engine.llm.dtypes == [torch.bfloat16]  # fp32 master weights arrive in the engine's dtype
 
 
 def test_private_vllm_paths_live_in_one_function():
