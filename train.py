@@ -206,16 +206,32 @@ def micro_slices(batch, rows, device):
     return out
 
 
+def micro_batches(batch, rows, size):
+    """Split rows into micro-batches of rows with similar response lengths: micro_slices then drops only the
+    columns that are padding in all of a micro-batch's rows. About half the padding of rows taken in order,
+    the same number of micro-batches (FSDP needs the same number of calls on every rank)."""
+    rows = rows[torch.argsort(batch["response_mask"][rows].sum(1), stable=True)]
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def padding_counts(batch, groups):
+    """{"padding", "computed"}: tokens micro_slices computes for these micro-batches, and how many are padding."""
+    computed = real = 0
+    for rows in groups:
+        prompt_mask, response_mask = batch["prompt_mask"][rows], batch["response_mask"][rows]
+        width = prompt_mask.shape[1] - int(prompt_mask.any(0).float().argmax()) + max(int(response_mask.sum(1).max()), 1)
+        computed += len(rows) * width
+        real += int(prompt_mask.sum() + response_mask.sum())
+    return {"padding": computed - real, "computed": computed}
+
+
 def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
-    """Run fn over micro-batches without gradients; return [B, R] on the batch's full width, in batch order.
-    Rows of similar response length share a micro-batch (micro_slices drops only the columns that are padding
-    in all of its rows): about half the padding of consecutive rows on a rollout batch, same number of calls.
-    desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
+    """Run fn over micro-batches (micro_batches) without gradients; return [B, R] on the batch's full width,
+    in batch order. desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
     B, R = batch["response_ids"].shape
     out = torch.zeros(B, R)
-    order = torch.argsort(batch["response_mask"].sum(1), stable=True)
-    for i in tqdm(range(0, B, micro_size), desc=desc, disable=desc is None, leave=False, unit="micro"):
-        rows = order[i:i + micro_size]
+    for rows in tqdm(micro_batches(batch, torch.arange(B), micro_size), desc=desc, disable=desc is None,
+                     leave=False, unit="micro"):
         with torch.no_grad(), autocast():
             res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
         out[rows, :res.shape[1]] = res.cpu()
@@ -478,7 +494,7 @@ def main(argv=None):
 
         # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
         t0 = time.time()
-        stats, skipped = [], 0
+        stats, skipped, update_groups = [], 0, []
         local_mini = mini_size // world
         gen = torch.Generator().manual_seed(args.seed + step)
         progress = tqdm(total=args.ppo_epochs * math.ceil(len(trajs) / local_mini), desc=bar_label("update"),
@@ -487,6 +503,7 @@ def main(argv=None):
             perm = torch.randperm(len(trajs), generator=gen)
             for start in range(0, len(trajs), local_mini):
                 mini = perm[start:start + local_mini]
+                update_groups += micro_batches(batch, mini, args.micro_batch_size)  # as ppo_update cuts them
                 s, n_skipped = ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device)
                 stats.append(s)
                 skipped += n_skipped
@@ -504,7 +521,11 @@ def main(argv=None):
 
         # ---- 7. log: sums over every rank's trajectories
         act = action_mask.bool()
+        pad_lp = padding_counts(batch, micro_batches(batch, torch.arange(len(trajs)), args.micro_batch_size))
+        pad_up = padding_counts(batch, update_groups)
         totals = all_reduce_dict({
+            "pad_lp": pad_lp["padding"], "computed_lp": pad_lp["computed"],
+            "pad_up": pad_up["padding"], "computed_up": pad_up["computed"],
             "score": float(scores.sum()), "acc": sum(s["acc"] for s in scores_d), "count": len(trajs),
             "tokens": float(batch["response_mask"].sum()), "turns": sum(t["turns"] for t in trajs),
             "interventions": sum(t["interventions"] for t in trajs), "truncated": sum(t["truncated"] for t in trajs),
@@ -521,6 +542,8 @@ def main(argv=None):
                    "turns/cut_at_answer_share": totals["cut_turns"] / max(totals["turns"], 1),
                    "kl": totals["kl"] / actions, "kl_coef": kl_ctl.value,  # this step's coefficient
                    "rollout/logprob_gap": totals["logprob_gap"] / actions,
+                   "padding/logprobs": totals["pad_lp"] / max(totals["computed_lp"], 1),
+                   "padding/update": totals["pad_up"] / max(totals["computed_up"], 1),
                    "actor_lr": schedulers[0].get_last_lr()[0], "skipped_updates": skipped,
                    "throughput/tokens_per_s": totals["tokens"] / timer["step"], "peak_rss_gb": peak_rss_gb()}
         for key in sorted({k for s in stats for k in s}):  # a skipped update leaves its statistics out
@@ -617,12 +640,10 @@ def accumulate_and_step(model, opt, loss_fn, batch, mini, tokens, args, autocast
     averages gradients over the W ranks, so under token-mean a micro-batch with m action tokens weighs
     m * W / tokens (tokens: the global mini-batch's), and every token counts the same whichever rank holds it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mini = mini[torch.argsort(batch["response_mask"][mini].sum(1), stable=True)]  # like lengths together: less padding
     opt.zero_grad(set_to_none=True)
     model.train()  # transformers checkpoints activations only in train mode
     sums, finite = {}, True
-    for i in range(0, len(mini), args.micro_batch_size):
-        rows = mini[i:i + args.micro_batch_size]
+    for rows in micro_batches(batch, mini, args.micro_batch_size):
         mb = micro_slices(batch, rows, device)
         if args.loss_agg == "token-mean":
             weight = float(mb["action_mask"].sum()) * world / max(tokens, 1.0)
@@ -696,9 +717,11 @@ def format_line(m, total_steps):
     t = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
     line = (f"step {m['step']}/{total_steps} | reward {m['reward/mean']:.3f} acc {m['acc/mean']:.3f} "
             f"len {m['response_length/mean']:.0f} turns {m['turns/mean']:.2f} int {m['interventions/mean']:.2f} "
+            f"ans {m['answered/share']:.2f} "
             f"| kl {m['kl']:.4f} pg {m.get('pg_loss', 0):.4f} vf {m.get('vf_loss', 0):.4f} "
             f"clip {m.get('clipfrac', 0):.3f} ent {m.get('entropy', 0):.3f} gn {m['grad_norm']:.2f} "
-            f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s")
+            f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s "
+            f"pad {m['padding/logprobs']:.0%}/{m['padding/update']:.0%}")
     if "val/acc" in m:
         line += f" | val acc {m['val/acc']:.3f} len {m['val/response_length']:.0f}"
     return line
