@@ -35,6 +35,13 @@ def die(msg):
     raise SystemExit(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad-flag errors are one `die` line (exit 2) instead of usage text."""
+
+    def error(self, message):
+        die(message)
+
+
 # ----------------------------------------------------------------------------- compute dtype, quiet console
 
 CPUINFO = "/proc/cpuinfo"

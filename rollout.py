@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import choose_dtype, die, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs, resolve_model
+from model import ArgumentParser, choose_dtype, die, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs, resolve_model
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
 INTERVENTIONS = {
@@ -569,13 +569,8 @@ def write_jsonl(rows, path):
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        die(message)
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="alias (smollm2) or HF model directory")
     p.add_argument("--data", required=True, help="bundled dataset name or .jsonl/.json/.parquet path")
     p.add_argument("--system-prompt", default=None, help="SYSTEM_PROMPTS key or literal text (data.py default)")

@@ -29,18 +29,13 @@ import data as data_lib
 import ppo
 import reward
 import rollout
-from model import (check_attn_implementation, die, end_of_turn_ids, full_state_dict, init_distributed, load_causal_lm,
-                   load_critic, load_tokenizer, peak_rss_gb, resolve_model, save_critic, save_hf, shard, token_logprobs, values)
-from model import choose_dtype, quiet_logs
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        die(message)
+from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, full_state_dict,
+                   init_distributed, load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model,
+                   save_critic, save_hf, shard, token_logprobs, values)
 
 
 def parse_args(argv=None):
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     # what to train on
     a("--model", default="smollm2", help="policy: HF model directory or the 'smollm2' alias")
@@ -469,7 +464,7 @@ def main(argv=None):
         # ---- 3. reference and old log-probs, values (no grad, micro-batched)
         t0 = time.time()
         lp = lambda m, mb: token_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["response_start"],  # noqa: E731
-                                          temperature=max(args.temperature, 1e-6))
+                                          temperature=args.temperature)
         fwd = dict(micro_size=args.micro_batch_size, autocast=autocast, device=device)
         ref_logprobs = forward_pass(lambda mb: lp(ref, mb), batch, **fwd, desc=bar_label("ref logprobs"))   # [B, R]
         old_logprobs = (None if reuse_old else                                                 # [B, R]
