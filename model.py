@@ -31,7 +31,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def die(msg):
     """A bad input: one line on stderr, exit code 2."""
-    print(f"error: {msg}".replace("\n", " "), file=sys.stderr)
+    line = "error: " + str(msg).replace("\n", " ") + "\n"
+    sys.stderr.write(line)  # one write: ranks sharing a pipe (PYTHONUNBUFFERED) cannot split the line
+    sys.stderr.flush()
     raise SystemExit(2)
 
 
