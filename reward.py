@@ -584,6 +584,8 @@ def _run(tasks, workers, timeout):
     """Verdicts for tasks [(pred, golds)] on `workers` guards, in order. A task gets `timeout`
     seconds per gold; then its guard is killed (and replaced) and the verdict is False."""
     out = [False] * len(tasks)
+    if not tasks:  # the fast path decided everything: no worker needed
+        return out
     with _LOCK:
         while len(_GUARDS) < workers:
             _GUARDS.append(_start())
@@ -682,42 +684,24 @@ def _golds(ground_truth):
 
 def _as_result(x):
     x = x if isinstance(x, dict) else {"score": float(x)}
-    return {"acc": x.get("score", 0.0), "format": 0.0, "has_answer": 0.0, "pred": None, **x}
+    return {"acc": x.get("score", 0.0), "has_answer": 0.0, "pred": None, **x}
 
 
-def _math_result(pred, how, acc, format_coef=0.0, length_coef=0.0, length=None, max_length=None):
-    fmt = float(how in ("boxed", "tag"))
-    score = float(acc) - format_coef * (1.0 - fmt)
-    if length_coef:
-        if length is None or not max_length:
-            raise ValueError("reward.py: length_coef needs length= (response tokens) and max_length=")
-        score -= length_coef * float(acc) * min(1.0, length / max_length)
-    return {"score": score, "acc": float(acc), "format": fmt, "has_answer": float(pred is not None), "pred": pred}
+def _math_result(pred, acc):
+    return {"score": float(acc), "acc": float(acc), "has_answer": float(pred is not None), "pred": pred}
 
 
-def _pred(response, last_number, first):
-    found = find_answer(response, first, last_number)
-    return (found.text, found.how) if found else (None, None)
-
-
-def math_reward(data_source, response, ground_truth, *, last_number=False, first=False, timeout=DEFAULT_TIMEOUT,
-                **terms):
+def math_reward(data_source, response, ground_truth, *, last_number=False, first=False, timeout=DEFAULT_TIMEOUT):
     """The paper's reward: 1.0 if the extracted answer equals a gold answer, else 0.0.
-    Optional terms, off by default (keywords):
-      format_coef: subtracted when the answer is not in \\boxed{} or <answer> tags (format == 0);
-      length_coef: subtracted from correct answers, times min(1, length / max_length), where
-        length is the response length in tokens and max_length the budget (both required then).
-    score = acc - format_coef * (1 - format) - length_coef * acc * min(1, length / max_length).
     first: score the first answer (responses cut at their first answer, see find_answer), else the last."""
-    pred, how = _pred(response, last_number, first)
-    acc = pred is not None and is_equivalent(pred, ground_truth, timeout)
-    return _math_result(pred, how, acc, **terms)
+    pred = extract_answer(response, last_number, first=first)
+    return _math_result(pred, pred is not None and is_equivalent(pred, ground_truth, timeout))
 
 
 def get_reward_fn(data_source):
     """A per-item function (data_source, response, ground_truth, **kw) -> dict for this source.
     Unregistered sources get the math reward; LAST_NUMBER_SOURCES also fall back to the last number.
-    Only the built-in math rewards use the keyword terms."""
+    Only the built-in math rewards use the keywords (first, timeout)."""
     name = _lookup(data_source)
     fn, batched = _REGISTRY[name]
     if fn is None:
@@ -728,22 +712,30 @@ def get_reward_fn(data_source):
 
 
 def compute_score(data_source, response, ground_truth, **kw):
-    """Reward of one response: dict with score, acc, format, has_answer, pred. ground_truth is a
-    string or a list of accepted strings; keywords as in math_reward."""
+    """Reward of one response: dict with score, acc, has_answer, pred. ground_truth is a string
+    or a list of accepted strings; keywords as in math_reward."""
     return get_reward_fn(data_source)(data_source, response, ground_truth, **kw)
 
 
-def score_batch(data_sources, responses, ground_truths, workers=None, lengths=None,
-                timeout=DEFAULT_TIMEOUT, first=False, **terms):
-    """compute_score over a batch, results in input order. What the fast path cannot decide is
-    spread over `workers` worker processes (default: all usable cores), each item still limited
-    to `timeout` seconds per gold; small batches use one worker. lengths: per-item token counts
-    for the length term. data_sources may be one string for the whole batch. first: as in math_reward."""
+def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, first=False,
+                timeout=DEFAULT_TIMEOUT, workers=None):
+    """compute_score over a batch, results in input order. data_sources may be one string for the
+    whole batch; first: as in math_reward.
+
+    length_coef > 0 adds the usual length-penalty baseline, a constant cost per response token
+    on every response, correct or not: score_i = acc_i - length_coef * lengths[i], with lengths[i]
+    the token count of response i (a registered reward's own score pays the same cost). acc is
+    unchanged. What the fast path cannot decide goes to the math-verify worker pool, each item
+    limited to `timeout` seconds per gold, spread over `workers` worker processes (default: all
+    usable cores); small batches use one worker."""
     n = len(responses)
     sources = [data_sources] * n if isinstance(data_sources, str) else list(data_sources)
     if not len(sources) == len(ground_truths) == n:
         raise ValueError(f"reward.py: score_batch got {len(sources)} data sources, {n} responses and "
                          f"{len(ground_truths)} ground truths")
+    if length_coef and (lengths is None or len(lengths) != n):
+        raise ValueError(f"reward.py: score_batch(length_coef=...) needs lengths=, the token count of each of "
+                         f"the {n} responses")
     out, pending, groups = [None] * n, [], {}
     for i, (src, resp, gt) in enumerate(zip(sources, responses, ground_truths)):
         name = _lookup(src)
@@ -753,19 +745,21 @@ def score_batch(data_sources, responses, ground_truths, workers=None, lengths=No
         elif fn is not None:
             out[i] = _as_result(fn(src, resp, gt))
         else:
-            pred, how = _pred(resp, name in LAST_NUMBER_SOURCES, first)
-            out[i] = [pred, how, pred is not None and _decide_fast(pred, _golds(gt))]
-            if out[i][2] is None:
+            pred = extract_answer(resp, name in LAST_NUMBER_SOURCES, first=first)
+            verdict = pred is not None and _decide_fast(pred, _golds(gt))
+            out[i] = _math_result(pred, bool(verdict))
+            if verdict is None:
                 pending.append(i)
     for src, idx in groups.items():
         fn = _REGISTRY[_lookup(src)][0]
         for i, s in zip(idx, fn([responses[i] for i in idx], [ground_truths[i] for i in idx], src)):
             out[i] = _as_result(s)
-    tasks = [(out[i][0], [g for g in _golds(ground_truths[i]) if _sane(g)]) for i in pending]
+    tasks = [(out[i]["pred"], [g for g in _golds(ground_truths[i]) if _sane(g)]) for i in pending]
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(workers, max(1, len(tasks) // 4)) if len(tasks) >= POOL_MIN else 1
     for i, verdict in zip(pending, _run(tasks, workers, timeout)):
-        out[i][2] = verdict
-    return [_math_result(*o, length=None if lengths is None else lengths[i], **terms)
-            if isinstance(o, list) else o for i, o in enumerate(out)]
+        out[i] = _math_result(out[i]["pred"], verdict)
+    for r, length in zip(out, lengths if length_coef else ()):
+        r["score"] -= length_coef * length
+    return out

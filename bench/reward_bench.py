@@ -3,7 +3,8 @@
 Pairs: every gold against itself, against rewritten forms (same value in another notation: label
 True) and against close-looking wrong answers (label False). Both graders see the same pairs in the
 same run, alternating in chunks so machine load hits both alike. math-verify runs in this process as
-people use it: verify(parse("\\boxed{gold}"), parse("\\boxed{pred}")) with its defaults.
+people use it: verify(parse("\\boxed{gold}"), parse("\\boxed{pred}")) with its defaults. Then the
+worst time of one reward.is_equivalent call on each adversarial answer.
 
     python bench/reward_bench.py [--data data/math500.jsonl] [--show 10]
 """
@@ -91,6 +92,28 @@ def make_pairs(golds):
     return pairs
 
 
+ADVERSARIAL = [  # the pre-checks reject the first four; the last reaches math-verify, which alone runs > 30 s
+    ("power tower", "9^{9^{9^{9^{9}}}}"),
+    ("100k chars", "1+" * 50000 + "1"),
+    ("5000 unbalanced braces", "{" * 5000),
+    ("NUL byte", "12\x003"),
+    ("tower under the pre-checks", "9^{9^{9}}"),
+]
+
+
+def adversarial_seconds():
+    """Worst wall time of reward.is_equivalent per adversarial answer, as prediction, as gold and
+    against itself, each after a call that leaves a ready worker (a kill's restart is not counted)."""
+    worst = {}
+    for name, s in ADVERSARIAL:
+        for pred, gold in ((s, "1"), ("1", s), (s, s)):
+            reward.is_equivalent("x^2", "x \\cdot x", timeout=30)
+            t = time.perf_counter()
+            reward.is_equivalent(pred, gold)
+            worst[name] = max(worst.get(name, 0.0), time.perf_counter() - t)
+    return worst
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=default_data(), help="jsonl with an 'answer' field per line")
@@ -110,20 +133,19 @@ def main():
         return verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}"))
 
     pairs = make_pairs(golds)
-    reward.is_equivalent("x^2", "x \\cdot x")  # start the guard outside the timed region
+    reward.is_equivalent("x^2", "x \\cdot x")  # start the workers outside the timed region
     mv("x^2", "x \\cdot x")
     reward._clean.cache_clear()
     reward._number.cache_clear()
-    ours, theirs, t_ours, t_mv = [], [], 0.0, 0.0
+    ours, theirs, s_ours, s_mv = [], [], [], []  # verdicts and seconds per pair
     for k in range(0, len(pairs), args.chunk):
-        chunk = pairs[k:k + args.chunk]
-        t = time.perf_counter()
-        ours += [reward.is_equivalent(p, g) for p, g, _, _ in chunk]
-        t_ours += time.perf_counter() - t
-        t = time.perf_counter()
-        theirs += [mv(p, g) for p, g, _, _ in chunk]
-        t_mv += time.perf_counter() - t
-    n = len(pairs)
+        for grader, verdicts, secs in ((reward.is_equivalent, ours, s_ours), (mv, theirs, s_mv)):
+            for p, g, _, _ in pairs[k:k + args.chunk]:
+                t = time.perf_counter()
+                verdicts.append(grader(p, g))
+                secs.append(time.perf_counter() - t)
+    n, t_ours, t_mv = len(pairs), sum(s_ours), sum(s_mv)
+    slow = [i for i, (p, g, _, _) in enumerate(pairs) if reward._decide_fast(p, [g]) is None]
     print(f"pairs: {n} from {len(golds)} golds "
           + ", ".join(f"{c} {sum(x[3] == c for x in pairs)}" for c in ("self", "rewrite", "wrong")))
     for name, verdicts, secs in (("reward.is_equivalent", ours, t_ours), ("math-verify alone", theirs, t_mv)):
@@ -135,6 +157,12 @@ def main():
         for p, g, lab, c in shown:
             print(f"    {c:7s} label={lab!s:5s} pred={p!r} gold={g!r}")
     print(f"speed ratio (ours / math-verify): {t_mv / t_ours:.2f}")
+    slow_ours, slow_mv = sum(s_ours[i] for i in slow), sum(s_mv[i] for i in slow)
+    print(f"the {len(slow)} pairs the fast path leaves to math-verify workers: reward.is_equivalent "
+          f"{len(slow) / slow_ours:.1f} pairs/s, math-verify alone {len(slow) / slow_mv:.1f} pairs/s, "
+          f"ratio {slow_mv / slow_ours:.2f}")
+    print("adversarial answers, worst seconds per call (limit " + f"{reward.DEFAULT_TIMEOUT:g} s): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in adversarial_seconds().items()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Tests for reward.py: extraction, equivalence on real gold answers, adversarial inputs, rewards."""
 import json
 import os
+import signal
 import threading
 import time
 
@@ -231,24 +232,29 @@ ADVERSARIAL = [
 
 def _warm():
     """Have a ready worker: the limit counts comparison time, not a (re)start's imports, which
-    can take seconds on a loaded machine (a kill promotes a warm spare and starts a new one)."""
+    can take seconds on a loaded machine."""
     assert reward.is_equivalent("x^2", r"x \cdot x", timeout=30)  # generous: other jobs share the CPUs
+    return reward._GUARDS[0]["pid"]  # the worker is_equivalent uses
 
 
-def _timed(fn, *args, **kw):
-    t = time.monotonic()
-    return fn(*args, **kw), time.monotonic() - t
-
-
+# Wall times are the bench's job (bench/reward_bench.py): these tests bound time with the timeout
+# marker and check the mechanism, a worker killed at the limit (a new pid), not how fast it goes.
 @pytest.mark.timeout(120)  # a hang is a failure, not a stuck test run
 @pytest.mark.parametrize("case,s", ADVERSARIAL, ids=[c[0] for c in ADVERSARIAL])
-def test_adversarial_answers_fail_fast_and_grader_survives(case, s):
+def test_adversarial_answers_fail_and_grader_survives(case, s):
     for pred, g in ((s, "1"), ("1", s)):
         _warm()
-        got, secs = _timed(reward.is_equivalent, pred, g)
-        assert got is False and secs < 2.0, (case, secs)
-    assert _timed(reward.is_equivalent, s, s)[1] < 2.0
+        assert reward.is_equivalent(pred, g) is False, case
+    reward.is_equivalent(s, s)  # any verdict, but an answer
     assert reward.is_equivalent("x^3+3x-6", "-6+3x+x^3", timeout=30)  # needs math-verify: still works
+
+
+@pytest.mark.timeout(120)  # math-verify alone does not finish 9^(9^9) in 30 s: only the kill ends it
+def test_a_comparison_over_its_limit_kills_its_worker():
+    pid = _warm()
+    assert reward.is_equivalent("9^{9^{9}}", "2", timeout=0.5) is False
+    assert reward._GUARDS[0]["pid"] != pid  # killed and replaced, not answered
+    assert reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=30)
 
 
 @pytest.mark.timeout(120)
@@ -256,17 +262,55 @@ def test_time_limit_holds_off_the_main_thread():
     out = {}
 
     def work():
-        _warm()
-        out["adv"] = _timed(reward.is_equivalent, "9^{9^{9}}", "2")
-        _warm()
-        out["slow"] = _timed(reward.is_equivalent, r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=1e-3)
+        pid = _warm()
+        out["adv"] = reward.is_equivalent("9^{9^{9}}", "2"), reward._GUARDS[0]["pid"] != pid
+        pid = _warm()
+        out["slow"] = (reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=1e-3),
+                       reward._GUARDS[0]["pid"] != pid)
         out["normal"] = reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=30)
     t = threading.Thread(target=work)
     t.start()
     t.join(120)
-    assert out["adv"][0] is False and out["adv"][1] < 2.0
-    assert out["slow"][0] is False and out["slow"][1] < 2.0  # killed at the limit, not answered
+    assert out["adv"] == (False, True)
+    assert out["slow"] == (False, True)  # killed at the limit, not answered
     assert out["normal"] is True
+
+
+def _wait_gone(pid):
+    while True:  # killed guards are reaped by the zygote (SIGCHLD ignored), so the pid goes away
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(120)
+def test_dead_worker_and_dead_zygote_are_replaced():
+    pid = _warm()
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    assert reward.is_equivalent("(x+1)^2", "x^2+2x+1", timeout=30)  # a new guard answers
+    assert reward._GUARDS[0]["pid"] != pid
+    zygote = reward._ZYGOTE["proc"]
+    zygote.kill()
+    zygote.wait()
+    pid = reward._GUARDS[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    assert reward.is_equivalent("(x-1)^2", "x^2-2x+1", timeout=30)  # a new zygote forks a new guard
+    assert reward._ZYGOTE["proc"] is not zygote
+
+
+@pytest.mark.timeout(120)
+def test_forked_child_grades_with_its_own_workers():
+    parent = _warm()
+    child = os.fork()
+    if child == 0:  # the parent's guards are not ours: a new zygote, the parent's left alone
+        ok = reward.is_equivalent("(x+2)^2", "x^2+4x+4", timeout=30) and reward._GUARDS[0]["pid"] != parent
+        os._exit(0 if ok else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert reward.is_equivalent("(x+3)^2", "x^2+6x+9", timeout=30) and reward._GUARDS[0]["pid"] == parent
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,18 +329,28 @@ def test_many_threads_share_the_worker():
     assert got == {k: [want for _, _, want in pairs] for k in range(4)}
 
 
-def test_compute_score_binary_by_default_and_optional_terms():
+def test_compute_score_is_binary():
     r = reward.compute_score("math500", r"so \boxed{\dfrac{1}{2}}", "\\frac12")
-    assert r == {"score": 1.0, "acc": 1.0, "format": 1.0, "has_answer": 1.0, "pred": r"\dfrac{1}{2}"}
+    assert r == {"score": 1.0, "acc": 1.0, "has_answer": 1.0, "pred": r"\dfrac{1}{2}"}
     assert reward.compute_score("math500", r"\boxed{0.6}", "\\frac12")["score"] == 0.0
     r = reward.compute_score("math500", "no idea", "1")
     assert (r["score"], r["has_answer"], r["pred"]) == (0.0, 0.0, None)
-    r = reward.compute_score("math500", "Answer: 3", ["2", "3"], format_coef=0.5)
-    assert (r["acc"], r["format"], r["score"]) == (1.0, 0.0, 0.5)
-    r = reward.compute_score("aime24", r"\boxed{25}", "25", length_coef=0.2, length=300, max_length=1000)
-    assert r["score"] == pytest.approx(1.0 - 0.2 * 0.3)
-    with pytest.raises(ValueError):
-        reward.compute_score("aime24", r"\boxed{25}", "25", length_coef=0.2)
+    assert reward.compute_score("math500", "Answer: 3", ["2", "3"])["score"] == 1.0  # any 'Answer:' counts
+
+
+def test_score_batch_length_cost_on_every_response():
+    responses = [r"\boxed{25}", r"so \boxed{24}", "no answer at all", "Answer: 25"]
+    lengths = [300, 41, 7, 1200]
+    accs = [1.0, 0.0, 0.0, 1.0]  # by hand: which of these say 25
+    got = reward.score_batch("aime24", responses, ["25"] * 4, lengths=lengths, length_coef=1e-3)
+    assert [r["acc"] for r in got] == accs  # acc is unchanged
+    assert [r["score"] for r in got] == pytest.approx([a - 1e-3 * n for a, n in zip(accs, lengths)])
+    plain = reward.score_batch("aime24", responses, ["25"] * 4, lengths=lengths)  # no coefficient: no cost
+    assert [r["score"] for r in plain] == accs
+    with pytest.raises(ValueError, match="lengths"):
+        reward.score_batch("aime24", responses, ["25"] * 4, length_coef=1e-3)
+    with pytest.raises(ValueError, match="lengths"):
+        reward.score_batch("aime24", responses, ["25"] * 4, lengths=lengths[:3], length_coef=1e-3)
 
 
 def test_registry_and_fallbacks():
