@@ -64,16 +64,53 @@ class DataError(ValueError):
     """Bad input data; the message is one line naming file, row and column."""
 
 
+# ----------------------------------------------------------------------------- CLI errors, atomic writes (every CLI's)
+
 def die(msg):
-    print(f"error: {msg}".replace("\n", " "), file=sys.stderr)
+    """A bad input: one line on stderr, exit code 2."""
+    line = "error: " + str(msg).replace("\n", " ") + "\n"
+    sys.stderr.write(line)  # one write: ranks sharing a pipe (PYTHONUNBUFFERED) cannot split the line
+    sys.stderr.flush()
     raise SystemExit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad-flag errors are one `die` line (exit 2) instead of usage text. No abbreviations:
+    `--intervention` must not silently mean `--intervention-text`, nor `--n` some other flag."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        die(message)
+
+
+def write_atomic(path, data):
+    """Write text or bytes to a temp file beside `path`, then rename: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # one per process: ranks never share a temp file
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- reading rows
 
+def _utf8(data, where):
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def _iter_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = _utf8(raw, f"{path}: line {n}")
             if not line.strip():
                 continue
             try:
@@ -86,7 +123,7 @@ def _iter_jsonl(path):
 
 
 def _iter_json(path):
-    text = Path(path).read_text(encoding="utf-8")
+    text = _utf8(Path(path).read_bytes(), path)
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
@@ -131,8 +168,9 @@ def _check_path(path):
     return path
 
 
-def _iter_rows(path, columns=None, required=()):
-    """Rows of any input file as (location, dict); from parquet read only those `columns` that exist."""
+def read_rows(path, columns=None, required=()):
+    """Rows of any input file (.jsonl, .json, .parquet, a directory holding train.parquet) as (location, dict),
+    streamed; from parquet read only those `columns` that exist. Bad input raises DataError naming file and row."""
     path = _check_path(path)
     if path.suffix == ".jsonl":
         return _iter_jsonl(path)
@@ -271,14 +309,14 @@ def load_dataset(spec, system_prompt=None, limit=None):
         records = _load_problems(rows, spec, problem_system, "arith")
     elif spec in BENCHMARKS or spec in TRAIN_SETS:
         path = ROOT / {**BENCHMARKS, **TRAIN_SETS}[spec]
-        records = _load_problems(_iter_rows(path), path, problem_system, spec)
+        records = _load_problems(read_rows(path), path, problem_system, spec)
     else:
         if not Path(spec).exists() and "/" not in spec and Path(spec).suffix not in SUFFIXES:
             raise DataError(f"unknown dataset {spec!r}: neither a bundled name ({', '.join(BUNDLED)}) "
                             "nor an existing path")
         path = _check_path(spec)
         records = (_load_parquet(path, system) if path.suffix == ".parquet"
-                   else _load_problems(_iter_rows(path), path, problem_system))
+                   else _load_problems(read_rows(path), path, problem_system))
     out = []
     for rec in records:  # stop reading at `limit`
         out.append(rec)
@@ -380,7 +418,7 @@ def _templated(id, data_source, question, truth, index, solution=None):
 
 def cmd_limo(args):
     records = []
-    for i, (loc, row) in enumerate(_iter_rows(args.input)):
+    for i, (loc, row) in enumerate(read_rows(args.input)):
         where = f"{args.input}: {loc}"
         question, truth = _text(row, ("question", "problem"), where), _truth(row.get("answer"), where, "answer")
         solution = _text(row, ("solution",), where, optional=True)
@@ -402,7 +440,7 @@ def is_multiple_choice(problem, answer):
 
 def cmd_r1_220k(args):
     # Read only what we use: OpenR1 parquet files also carry long `generations` columns.
-    rows = _iter_rows(args.input, ["problem", "solution", "answer", "question_type", "uuid"], ["problem", "answer"])
+    rows = read_rows(args.input, ["problem", "solution", "answer", "question_type", "uuid"], ["problem", "answer"])
     records, dropped = [], {"multiple_choice": 0, "long_answer": 0, "no_answer": 0}
     for i, (loc, row) in enumerate(rows):
         where = f"{args.input}: {loc}"
@@ -471,13 +509,8 @@ def cmd_show(args):
     print(json.dumps(records[0], ensure_ascii=False, indent=1))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr and exit 2 (argparse would print the usage too)
-        die(f"{self.prog}: {message}")
-
-
 def main(argv=None):
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, func, frac, what in (("limo", cmd_limo, 0.1, "LIMO limo.json (a JSON list), JSONL or parquet"),
                                    ("r1_220k", cmd_r1_220k, 0.01, "OpenR1-Math-220k parquet or JSONL")):
@@ -509,8 +542,6 @@ def main(argv=None):
         die(str(e))
     except OSError as e:  # unreadable input, unwritable --out
         die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
-    except UnicodeDecodeError as e:
-        die(f"input is not UTF-8 text ({e.reason})")
 
 
 if __name__ == "__main__":

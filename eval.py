@@ -27,9 +27,9 @@ seeds do not depend on the limit, so the same holds in principle, but it is not 
 """
 import argparse
 import gc
+import io
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -37,23 +37,11 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
+from data import DataError, die, read_rows, write_atomic
+
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
 GOLD_COLS = ("ground_truth", "answer", "reward_model.ground_truth", "gold")
-
-
-def die(msg):
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def write_atomic(path, data):
-    """Write text or bytes to a tmp file, then rename: a crash never leaves half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
 
 
 def pass_at_k(n, c, k):
@@ -173,42 +161,6 @@ def score_generated(samples, args, tokenizer):
 
 # ----------------------------------------------------------------------------- scoring existing generations
 
-def read_rows(path):
-    """Rows of a .parquet, .jsonl or .json (list of objects) file."""
-    p = Path(path)
-    if not p.is_file():
-        die(f"--score {path}: no such file")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(p).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a damaged file
-            die(f"--score {path}: cannot read parquet ({type(e).__name__}: {str(e).splitlines()[0]})")
-    elif p.suffix in (".jsonl", ".json"):
-        text = p.read_text()
-        if p.suffix == ".json" and text.lstrip().startswith("["):
-            try:
-                rows = json.loads(text)
-            except json.JSONDecodeError as e:
-                die(f"--score {path}: invalid JSON ({e})")
-        else:
-            rows = []
-            for i, line in enumerate(text.splitlines()):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        die(f"--score {path} line {i + 1}: invalid JSON ({e})")
-    else:
-        die(f"--score {path}: expected .parquet, .jsonl or .json")
-    if not rows:
-        die(f"--score {path}: no rows")
-    if not all(isinstance(r, dict) for r in rows):
-        die(f"--score {path}: rows must be objects with named columns")
-    return rows
-
-
 def field(row, names):
     """The first of `names` present in row; 'a.b' looks inside a nested dict (verl's reward_model column)."""
     for name in names:
@@ -221,21 +173,22 @@ def field(row, names):
 
 
 def samples_from_rows(rows, path, tokenizer_spec):
-    """One sample per response; a list-valued response column holds the n samples of one problem."""
+    """One sample per response; a list-valued response column holds the n samples of one problem.
+    rows: (location, dict) pairs as data.read_rows yields them; a bad row dies naming file, row and column."""
     samples, tokenizer = [], None
-    for i, row in enumerate(rows):
+    for i, (loc, row) in enumerate(rows):
         responses, gold, source = field(row, RESPONSE_COLS), field(row, GOLD_COLS), row.get("data_source")
         for name, value, cols in (("response", responses, RESPONSE_COLS), ("ground truth", gold, GOLD_COLS),
                                   ("data_source", source, ("data_source",))):
             if value is None:
-                die(f"--score {path} row {i}: no {name} column (one of {', '.join(cols)}); "
+                die(f"--score {path}: {loc}: no {name} column (one of {', '.join(cols)}); "
                     f"columns: {', '.join(sorted(row))}")
         responses = responses if isinstance(responses, list) else [responses]
         counts = row.get("num_tokens")
         counts = counts if isinstance(counts, list) else [counts] * len(responses)
         for j, text in enumerate(responses):
             if not isinstance(text, str):
-                die(f"--score {path} row {i}: response {j} is {type(text).__name__}, not text")
+                die(f"--score {path}: {loc}: response {j} is {type(text).__name__}, not text")
             if counts[j] is None:  # no token counts in the file: count with --tokenizer
                 if tokenizer is None:
                     from model import load_tokenizer, resolve_model
@@ -246,6 +199,8 @@ def samples_from_rows(rows, path, tokenizer_spec):
                 "id": str(row.get("id", i)), "sample": j, "problem": row.get("problem", row.get("prompt")),
                 "response_text": text, "gold": gold, "num_tokens": int(counts[j]),
                 "truncated": row.get("truncated"), "turns": int(row.get("turns") or 1), "data_source": source})
+    if not samples:
+        die(f"--score {path}: no rows")
     return samples
 
 
@@ -255,7 +210,12 @@ def score_file(args):
     t0 = time.time()
     if args.budgets:
         print("note: --budgets needs token ids; ignored with --score", file=sys.stderr)
-    samples = samples_from_rows(read_rows(args.score), args.score, args.tokenizer)
+    try:
+        samples = samples_from_rows(read_rows(args.score), args.score, args.tokenizer)
+    except DataError as e:  # names file and row
+        die(f"--score {e}")
+    except OSError as e:  # an unreadable file
+        die(f"--score {args.score}: {e.strerror or e}")
     results = score_batch([s["data_source"] for s in samples], [s["response_text"] for s in samples],
                           [s["gold"] for s in samples])
     for s, r in zip(samples, results):
@@ -367,10 +327,10 @@ def plot_budgets(path, results, budgets):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    tmp = Path(str(path) + ".tmp")
-    fig.savefig(tmp, format="png", dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(path, png.getvalue())
 
 
 def write_outputs(out, names, samples, summary, budgets):
@@ -447,7 +407,7 @@ def main(argv=None):
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
     import data
-    from model import ALIASES, check_attn_implementation, load_tokenizer, resolve_model
+    from model import check_attn_implementation, check_model, load_tokenizer, resolve_model
 
     if args.engine == "hf":
         check_attn_implementation(args.attn_implementation)
@@ -458,9 +418,7 @@ def main(argv=None):
         if b not in data.BUNDLED and not Path(b).exists():
             die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(data.BUNDLED)}; or a dataset path)")
     for c in args.checkpoints:
-        if c not in ALIASES and not any((Path(c) / sub / "config.json").exists() for sub in ("", "actor")):
-            die(f"checkpoint {c}: not a Hugging Face model directory, a training checkpoint (actor/config.json) "
-                f"or one of the aliases {', '.join(ALIASES)}")
+        check_model(c, "checkpoint")  # dies in one line; prepares and downloads nothing
     paths = {c: resolve_model(c) for c in args.checkpoints}
     records = []
     for b in benches:
@@ -474,6 +432,7 @@ def main(argv=None):
         print("note: --n > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
     import rollout
     from model import choose_dtype
+    from transformers import AutoConfig
 
     args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
     print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
@@ -482,7 +441,7 @@ def main(argv=None):
         tokenizer = load_tokenizer(path)
         # context = longest prompt + the whole response (rollout.py counts intervention tokens in it)
         longest = max(len(data.prompt_ids(tokenizer, r["messages"])) for r in records)
-        limit = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+        limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
         if limit and longest + gen_tokens > limit:
             die(f"--max-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
                 f"the context of {name} ({limit})")

