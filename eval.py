@@ -1,6 +1,6 @@
 """Benchmark evaluation: accuracy and token efficiency of checkpoints, side by side.
 
-    python eval.py smollm2 runs/demo/step_50 --benchmarks math500,gsm8k --max-tokens 1024 \\
+    python eval.py smollm2 runs/demo/step_50 --benchmarks math500,gsm8k --max-response-tokens 1024 \\
         --limit 50 --budgets 256,512,1024 --out runs/eval
     python eval.py --score generations.parquet      # score existing generations, no model
 
@@ -10,7 +10,7 @@ single-turn greedy by default as in the paper; `--max-turns K` evaluates with in
 Scoring goes through reward.py. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md
 and, with --budgets, DIR/budget.png.
 
-Budget sweep. Each problem is generated ONCE, at G = max(--max-tokens, max(--budgets)) tokens.
+Budget sweep. Each problem is generated ONCE, at G = max(--max-response-tokens, max(--budgets)) tokens.
 The accuracy at a budget b < G is computed by keeping the first b response tokens, decoding
 them and re-scoring that text. Under greedy decoding this is what generating with
 max_tokens=b would give: decoding is token by token, so the first b tokens of a longer
@@ -20,7 +20,7 @@ break a near-tie between two logits differently in two runs of different batch s
 With --max-turns > 0 it holds too: rollout.py counts intervention tokens in the response budget
 and appends an intervention only when a policy token fits after it, so a cut inside an
 intervention drops it (see `cut`). The main numbers (accuracy, tokens, truncation, turns) are
-those at --max-tokens, computed the same way when G > --max-tokens. tests/test_eval.py checks
+those at --max-response-tokens, computed the same way when G > --max-response-tokens. tests/test_eval.py checks
 all of this against real generations at the smaller limits. With --temperature > 0 the per-sample
 seeds do not depend on the limit, so the same holds in principle, but it is not tested.
 --score files carry no token ids: --budgets is ignored there.
@@ -72,25 +72,27 @@ def generate(engine, tokenizer, records, args, desc=""):
     within a chunk the engine batches freely.
     """
     import rollout
-    from data import prompt_ids
     from model import end_of_turn_ids
     from tqdm import tqdm
 
     eos_ids = end_of_turn_ids(tokenizer.name_or_path, tokenizer)
-    gen_tokens = max([args.max_tokens] + args.budgets)
-    prompts = [prompt_ids(tokenizer, r["messages"]) for r in records]
-    intervention_ids = rollout.intervention_ids(tokenizer, args.intervention)
+    gen_tokens = max([args.max_response_tokens] + args.budgets)
+    try:
+        prompts, _ = rollout.tokenize_prompts(tokenizer, records, args.max_prompt_length, args.truncate_prompts)
+    except rollout.PromptTooLong as e:
+        die(f"--benchmarks: {e}")
+    intervention_ids = rollout.intervention_ids(tokenizer, args.intervention_text)
     samples = []
     with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start:start + args.batch_size]
             # per-sample seeds derive from (seed, global prompt index): results do not depend on --batch-size
             trajs = rollout.sample(
-                engine, chunk, n=args.n, max_turns=args.max_turns,
+                engine, chunk, n=args.samples_per_prompt, max_turns=args.max_turns,
                 turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
                 max_response_tokens=gen_tokens, temperature=args.temperature, top_p=args.top_p,
-                seed=args.seed, stop=(), turn_rule=args.turn_rule, cut_at_answer=cuts(args),
-                intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=None, prompt_indices=range(start, start + len(chunk)))
+                seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=cuts(args),
+                intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout, prompt_indices=range(start, start + len(chunk)))
             for t in trajs:
                 rec = records[t["prompt_index"]]
                 samples.append({
@@ -128,10 +130,10 @@ def cut(s, limit, tokenizer):
 
 
 def score_generated(samples, args, tokenizer):
-    """Fill pred/correct/... at --max-tokens and budget_correct at each budget, in one score_batch call."""
+    """Fill pred/correct/... at --max-response-tokens and budget_correct at each budget, in one score_batch call."""
     from reward import score_batch
 
-    limits = sorted(set(args.budgets) | {args.max_tokens})
+    limits = sorted(set(args.budgets) | {args.max_response_tokens})
     texts, owner, job = [], [], {}  # job[(sample, limit)] -> index into texts; a text never cut is scored once
     for i, s in enumerate(samples):
         for lim in limits:
@@ -147,8 +149,8 @@ def score_generated(samples, args, tokenizer):
     results = score_batch([samples[i]["data_source"] for i in owner], texts, [samples[i]["gold"] for i in owner],
                           first=cuts(args))
     for i, s in enumerate(samples):
-        text, ntok, trunc, turns = cut(s, args.max_tokens, tokenizer)
-        r = results[job[i, args.max_tokens]]
+        text, ntok, trunc, turns = cut(s, args.max_response_tokens, tokenizer)
+        r = results[job[i, args.max_response_tokens]]
         shown = tokenizer.decode(s["response_ids"][:ntok], skip_special_tokens=True)  # with interventions
         s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
                  num_tokens=ntok, truncated=trunc, turns=turns,
@@ -348,44 +350,26 @@ def write_outputs(out, names, samples, summary, budgets):
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = die  # bad flags: one line on stderr, exit 2
-    p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="'smollm2', a HF directory or a training checkpoint")
+    import rollout  # the sampling flags are rollout.py's, shared with train.py
+    from model import ArgumentParser
+
+    # evaluation is greedy and single-turn with a 4096-token response cap unless asked (the paper's eval)
+    shared = rollout.sampling_flags(temperature=0.0, max_turns=0, max_response_tokens=4096, system_prompt="eval")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[shared])
+    p.add_argument("checkpoints", nargs="*", metavar="CKPT",
+                   help="'smollm2', a HF directory or hub id, or a training checkpoint")
     p.add_argument("--score", metavar="FILE", help="score existing generations (.parquet/.jsonl) instead of generating")
     p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS, help="comma-separated benchmark names or dataset paths")
-    p.add_argument("--max-tokens", type=int, default=4096, help="response token limit (all turns together)")
     p.add_argument("--budgets", default="", help="comma-separated token limits for the budget sweep, e.g. 1000,2000,4000")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    p.add_argument("--n", type=int, default=1, help="samples per problem (mean@n, pass@k when > 1)")
-    p.add_argument("--max-turns", type=int, default=0, help="interventions per response; 0 = single turn (the paper's eval)")
-    p.add_argument("--turn-tokens", type=int, default=1000, help="token budget of one turn when --max-turns > 0")
-    p.add_argument("--intervention", default="reference", help="intervention text: reference (default) | paper | literal text")
-    p.add_argument("--turn-rule", default="reference", choices=("reference", "paper"),
-                   help="when --max-turns > 0: intervene on every answerless turn (reference) or on budget cuts only")
-    p.add_argument("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
-                   help="when --max-turns > 0: keep a turn's tokens after its first answer (scored on the last)")
     p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    p.add_argument("--system-prompt", default="eval", help="eval | train | none | literal text")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="generation engine")
-    p.add_argument("--engine-dtype", "--dtype", dest="engine_dtype", default="auto",
-                   help="engine dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; float32 for "
-                        "--engine hf) | bfloat16 | float32 | float16 (--dtype: deprecated alias)")
-    p.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM: skip torch.compile (faster start-up)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM: share of GPU memory it may use")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
-                   help="--engine hf: transformers attention")
     p.add_argument("--batch-size", type=int, default=64, help="problems per engine call (progress granularity)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
     p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP)")
     args = p.parse_args(argv)
-    for flag in ("max_tokens", "n", "turn_tokens", "batch_size") + (("limit",) if args.limit is not None else ()):
+    rollout.check_sampling_args(args)
+    for flag in ("batch_size",) + (("limit",) if args.limit is not None else ()):
         if getattr(args, flag) < 1:
             die(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_turns < 0:
-        die(f"--max-turns must be >= 0, got {args.max_turns}")
     try:
         args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:
@@ -427,9 +411,9 @@ def main(argv=None):
         except (data.DataError, OSError) as e:
             die(f"--benchmarks {b}: {e}")
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    gen_tokens = max([args.max_tokens] + args.budgets)
-    if args.temperature == 0 and args.n > 1:
-        print("note: --n > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
+    gen_tokens = max([args.max_response_tokens] + args.budgets)
+    if args.temperature == 0 and args.samples_per_prompt > 1:
+        print("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
     import rollout
     from model import choose_dtype
     from transformers import AutoConfig
@@ -443,7 +427,7 @@ def main(argv=None):
         longest = max(len(data.prompt_ids(tokenizer, r["messages"])) for r in records)
         limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
         if limit and longest + gen_tokens > limit:
-            die(f"--max-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
+            die(f"--max-response-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
                 f"the context of {name} ({limit})")
         prepared[name] = tokenizer, longest + gen_tokens
     timings = {"load_s": round(time.time() - t0, 2), "checkpoints": {}}

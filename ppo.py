@@ -45,11 +45,20 @@ def masked_var(x, mask, dim=None):
     return masked_mean((x - mean) ** 2, mask, dim=dim)
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, sum_over_ranks=None):
     """(x - mean) / std over the mask (population std); zero outside the mask.
-    shift_mean=False only rescales, keeping the mean (useful for rewards)."""
+    shift_mean=False only rescales, keeping the mean (useful for rewards). sum_over_ranks: a function summing a
+    list of floats over data-parallel ranks (train.py's all_reduce_sum); then mean and std are those of every
+    rank's masked entries, so that all ranks' advantages share one scale."""
     mask = mask.bool()
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    if sum_over_ranks is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        xm = torch.where(mask, x, torch.zeros_like(x))
+        total, total_sq, count = sum_over_ranks([float(xm.sum()), float((xm * xm).sum()), float(mask.sum())])
+        m = total / max(count, 1)
+        mean = torch.tensor(m, dtype=x.dtype, device=x.device)
+        var = torch.tensor(max(total_sq / max(count, 1) - m * m, 0.0), dtype=x.dtype, device=x.device)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -90,7 +99,7 @@ def token_rewards(scores, kl, action_mask, kl_coef):
 # 3. Advantages
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()  # advantages and returns are targets: no gradient flows through them
-def compute_gae(token_rewards, values, action_mask, gamma, lam):
+def compute_gae(rewards, values, action_mask, gamma, lam):
     """GAE over action tokens only. Returns (advantages, returns), both [B, T].
 
     Non-action positions are skipped as if deleted: for an action position t with next action
@@ -108,7 +117,7 @@ def compute_gae(token_rewards, values, action_mask, gamma, lam):
     advs = [None] * T
     for t in reversed(range(T)):  # vectorised over rows; carries the next *action* token's state
         m = mask[:, t]  # [B]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
         advs[t] = torch.where(m, adv, zero)
         # a non-action token is transparent: the carried values pass through it unchanged

@@ -1,6 +1,6 @@
 """Rollouts: a colocated generation engine and multi-turn intervention sampling on token ids.
 
-    python rollout.py --model smollm2 --data math500 --limit 8 --n 2 --max-turns 2 --turn-tokens 128 \
+    python rollout.py --model smollm2 --data math500 --limit 8 --samples-per-prompt 2 --max-turns 2 --turn-tokens 128 \
         --temperature 1.0 --seed 0 --out out/rollout.jsonl [--engine vllm|hf]
 
 A turn generates at most `turn_tokens` and is cut right after its first complete answer (`answer_prefix`).
@@ -91,7 +91,7 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
 
 
 class VLLMEngine:
-    def __init__(self, model_path, dtype="bfloat16", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
+    def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                  distributed=False, enforce_eager=False, kv_cache_gib=None):
         # In-process engine: the trainer and the sampler share one process per rank (no engine subprocess).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -140,49 +140,44 @@ class VLLMEngine:
         self.sleeping = False
         self.calls = 0  # request ids: f'{call}-{i}'
 
-    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), n=1,
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None):
         """prompt_token_ids: list of M id lists; max_tokens, seed: one value or one per prompt.
-        Returns M lists of n Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
+        Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
         i.e. what a trainer computes with the same temperature."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         m = len(prompt_token_ids)
         eos_ids = [self.tokenizer.eos_token_id] if eos_ids is None else list(eos_ids)
-        # n > 1 becomes n requests of one completion each (seed + k): every completion is its own stream,
-        # and the step loop below sees one finished output per request.
-        flat = [(i, k) for i in range(m) for k in range(n)]
         max_tokens, seed = _per_prompt(max_tokens, m), _per_prompt(seed, m)
-        params = [SamplingParams(n=1, max_tokens=max_tokens[i], temperature=temperature, top_p=top_p,
-                                 seed=None if seed[i] is None else seed[i] + k,
+        params = [SamplingParams(n=1, max_tokens=max_tokens[i], temperature=temperature, top_p=top_p, seed=seed[i],
                                  stop=list(stop) or None, include_stop_str_in_output=True,
                                  ignore_eos=True, stop_token_ids=eos_ids,  # exactly eos_ids stop a turn
                                  logprobs=0, detokenize=bool(stop))  # text only for stop-string matching
-                  for i, k in flat]
-        prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])) for i, _ in flat]
+                  for i in range(m)]
         deadline = _deadline(timeout)
         engine = self.llm.llm_engine
         # add_request + our own step loop (what LLM.generate does) so the deadline is checked every step.
         self.calls += 1
-        req_ids = [f"{self.calls}-{i}-{k}" for i, k in flat]
-        for rid, prompt, param in zip(req_ids, prompts, params):
-            engine.add_request(rid, prompt, param)
+        req_ids = [f"{self.calls}-{i}" for i in range(m)]
+        for rid, ids, param in zip(req_ids, prompt_token_ids, params):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), param)
         done = {}
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                _check_deadline(deadline, timeout, len(done), len(flat))
+                _check_deadline(deadline, timeout, len(done), m)
         except BaseException:
             engine.abort_request([r for r in req_ids if r not in done])
             raise
-        results = [[] for _ in range(m)]
-        for rid, (i, _) in zip(req_ids, flat):
+        results = []
+        for rid in req_ids:
             o = done[rid].outputs[0]
-            results[i].append(Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
-                                         o.finish_reason == "stop"))
+            results.append(Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
+                                      o.finish_reason == "stop"))
         return results
 
     def sleep(self, level=2):
@@ -243,7 +238,7 @@ class VLLMEngine:
 class HFEngine:
     """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
 
-    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
+    def __init__(self, model_path, dtype, seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
                                     attn_implementation=attn_implementation).to(self.device).eval()
@@ -252,15 +247,15 @@ class HFEngine:
         self.seed = seed
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), n=1,
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None):
         from transformers import DynamicCache
 
         m = len(prompt_token_ids)
         eos = {self.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
-        rows = [list(p) for p in prompt_token_ids for _ in range(n)]
-        limits = [mt for mt in _per_prompt(max_tokens, m) for _ in range(n)]
-        seeds = [(self.seed if s is None else s) + k for s in _per_prompt(seed, m) for k in range(n)]
+        rows = [list(p) for p in prompt_token_ids]
+        limits = _per_prompt(max_tokens, m)
+        seeds = [self.seed if s is None else s for s in _per_prompt(seed, m)]
         gens = [torch.Generator(self.device).manual_seed(s) for s in seeds]  # per-row streams: batch-invariant
         B, P = len(rows), max(map(len, rows))
         ids = torch.full((B, P), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -306,8 +301,7 @@ class HFEngine:
             pos = pos[:, -1:] + 1
             logits = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
                                 use_cache=True).logits[:, -1].float()
-        comps = [Completion(out_ids[i], out_lp[i], stopped[i]) for i in range(B)]
-        return [comps[j * n:(j + 1) * n] for j in range(m)]
+        return [Completion(out_ids[i], out_lp[i], stopped[i]) for i in range(B)]
 
     def sleep(self, level=1):
         pass  # nothing to free: the debugging backend is not colocated with an accelerator trainer
@@ -330,10 +324,12 @@ class HFEngine:
                 params[name].copy_(tensor)
 
 
-def make_engine(model_path, kind="vllm", dtype="bfloat16", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
+def make_engine(model_path, kind="vllm", dtype="auto", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                 distributed=False, enforce_eager=False, attn_implementation="sdpa"):
-    """distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
+    """dtype: auto (model.choose_dtype: the one place that picks an engine's dtype) or a torch dtype name.
+    distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
     init_process_group). attn_implementation: the hf engine's transformers attention (vLLM picks its own)."""
+    dtype = choose_dtype(dtype, engine=kind)[0]
     if kind == "vllm":
         return VLLMEngine(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                           max_model_len=max_model_len, distributed=distributed, enforce_eager=enforce_eager)
@@ -365,6 +361,13 @@ def prepare_prompts(prompt_ids, max_prompt_length=None, truncate=False):
             p, cut = p[-max_prompt_length:], cut + 1
         out.append(list(p))
     return out, cut
+
+
+def tokenize_prompts(tokenizer, records, max_prompt_length=None, truncate=False):
+    """data records -> (chat-templated prompt ids, how many were truncated), checked by prepare_prompts."""
+    import data
+
+    return prepare_prompts([data.prompt_ids(tokenizer, r["messages"]) for r in records], max_prompt_length, truncate)
 
 
 def sample_seed(seed, prompt_index, sample_index, turn):
@@ -479,11 +482,11 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
         budgets = [min(turn_tokens, room(t)) for t in active]
         seeds = [sample_seed(seed, t["prompt_index"], t["sample_index"], turn) for t in active]
         outs = engine.generate([t["prompt_ids"] + t["response_ids"] for t in active], budgets,
-                               temperature=temperature, top_p=top_p, seed=seeds, stop=stop, n=1,
+                               temperature=temperature, top_p=top_p, seed=seeds, stop=stop,
                                eos_ids=sorted(eos), timeout=timeout)
         calls += 1
         still = []
-        for t, (c,), budget in zip(active, outs, budgets):
+        for t, c, budget in zip(active, outs, budgets):
             assert len(c.token_ids) <= budget, "engine exceeded max_tokens"
             keep, found = answer_prefix(c.token_ids, decode, cut_at_answer)
             hit_budget = not c.stopped and budget == turn_tokens  # a smaller budget is a cap: no room to go on
@@ -569,49 +572,79 @@ def write_jsonl(rows, path):
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="alias (smollm2) or HF model directory")
-    p.add_argument("--data", required=True, help="bundled dataset name or .jsonl/.json/.parquet path")
-    p.add_argument("--system-prompt", default=None, help="SYSTEM_PROMPTS key or literal text (data.py default)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N records")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max-turns", type=int, default=3, help="max interventions per sample")
-    p.add_argument("--turn-tokens", type=int, default=1000, help="token budget of one turn")
-    p.add_argument("--max-response-tokens", type=int, default=None, help="cap on a whole response (all turns)")
-    p.add_argument("--max-prompt-length", type=int, default=None, help="longest prompt in tokens")
-    p.add_argument("--truncate-prompts", action="store_true", help="left-truncate longer prompts instead of failing")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="base seed; per-sample seeds derive from it")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable), kept in the output")
-    p.add_argument("--turn-rule", choices=TURN_RULES, default="reference",
-                   help="reference: intervene on every answerless turn; paper: only on budget cuts")
-    p.add_argument("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
-                   help="keep a turn's tokens after its first answer (scored on the last answer)")
-    p.add_argument("--intervention-text", default="reference", help="reference (default) | paper | literal text")
-    p.add_argument("--engine", choices=("vllm", "hf"), default="vllm", help="generation backend")
-    p.add_argument("--engine-dtype", "--dtype", dest="engine_dtype", default="auto",
-                   help="engine dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; float32 for "
-                        "--engine hf) | bfloat16 | float32 | float16 (--dtype: deprecated alias)")
-    p.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM accelerator memory share")
-    p.add_argument("--max-model-len", type=int, default=None, help="engine context length (default: model's)")
-    p.add_argument("--enforce-eager", action="store_true", help="vLLM: skip torch.compile (faster start-up)")
-    p.add_argument("--rollout-timeout", type=float, default=None, help="seconds per engine call before failing")
-    p.add_argument("--out", required=True, help="output .jsonl, one trajectory per line")
-    args = p.parse_args(argv)
-    for flag in ("n", "turn_tokens", "limit", "max_response_tokens", "max_prompt_length", "max_model_len"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            die(f"--{flag.replace('_', '-')} must be >= 1")
+def sampling_flags(**defaults):
+    """The sampling and intervention flags of train.py, rollout.py and eval.py, defined once (an argparse
+    parent): one name, one meaning and one check (check_sampling_args) in every CLI. defaults: the CLI's own
+    where its job differs (eval.py samples greedily, single turn); each --help shows its CLI's values."""
+    p = argparse.ArgumentParser(add_help=False)
+    a = p.add_argument_group("sampling and interventions (shared by train.py, rollout.py, eval.py)").add_argument
+    a("--system-prompt", default=None, help="eval | train | answer-line | none | literal text (default: %(default)s; "
+                                            "None: the eval prompt for raw problems, parquet prompts as stored)")
+    a("--samples-per-prompt", type=int, default=1, help="samples per prompt (default: %(default)s)")
+    a("--max-turns", type=int, default=3, help="interventions per response at most, 0 = single turn (default: %(default)s)")
+    a("--turn-tokens", type=int, default=1000, help="token budget of one turn (default: %(default)s)")
+    a("--max-response-tokens", type=int, default=None,
+      help="cap on a whole response, all turns and interventions (default: %(default)s; None: every turn at full "
+           "budget plus every intervention)")
+    a("--turn-rule", choices=TURN_RULES, default="reference",
+      help="reference: intervene on every answerless turn (the authors' code); paper: on budget cuts only")
+    a("--no-cut-at-answer", dest="cut_at_answer", action="store_false",
+      help="keep a turn's tokens after its first answer (scored on the last answer)")
+    a("--intervention-text", default="reference", help="reference (the authors' code) | paper | literal text")
+    a("--stop", action="append", default=[], help="stop string that ends a turn (repeatable), kept in the output")
+    a("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default: %(default)s)")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    a("--seed", type=int, default=0, help="base seed; per-sample seeds derive from it and the prompt index")
+    a("--max-prompt-length", type=int, default=None, help="longest prompt in tokens (default: %(default)s)")
+    a("--truncate-prompts", action="store_true", help="left-truncate longer prompts instead of failing")
+    a("--engine", choices=("vllm", "hf"), default="vllm", help="vllm, or transformers (hf) for debugging")
+    a("--engine-dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else "
+                                             "float32; float32 for --engine hf) | bfloat16 | float32 | float16")
+    a("--gpu-memory-utilization", type=float, default=0.5, help="vLLM share of GPU memory (default: %(default)s)")
+    a("--enforce-eager", action="store_true", help="vLLM without compilation (faster start-up)")
+    a("--attn-implementation", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
+      help="transformers attention (trainer models, --engine hf); flash_attention_2 needs flash-attn and CUDA")
+    a("--rollout-timeout", type=float, default=None, help="seconds per engine call before failing")
+    a("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
+    p.set_defaults(**defaults)
+    return p
+
+
+def check_sampling_args(args):
+    """The shared flags' one-line errors (model.die), before any model loads."""
+    for flag in ("samples_per_prompt", "turn_tokens", "max_response_tokens", "max_prompt_length"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            die(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_turns < 0:
-        die("--max-turns must be >= 0")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        die("--temperature must be >= 0 and --top-p in (0, 1]")
+        die(f"--max-turns must be >= 0, got {args.max_turns}")
+    if args.temperature < 0:
+        die(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        die(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        die(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.rollout_timeout is not None and args.rollout_timeout <= 0:
-        die("--rollout-timeout must be > 0")
+        die(f"--rollout-timeout must be > 0, got {args.rollout_timeout}")
     if not args.intervention_text.strip():
         die("--intervention-text is empty")
+    if args.engine_dtype not in ("auto", "bfloat16", "float32", "float16"):
+        die(f"--engine-dtype must be auto, bfloat16, float32 or float16, got {args.engine_dtype!r}")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[sampling_flags()])
+    p.add_argument("--model", default="smollm2", help="alias (smollm2), HF model directory or hub id")
+    p.add_argument("--data", required=True, help="bundled dataset name or .jsonl/.json/.parquet path")
+    p.add_argument("--limit", type=int, default=None, help="use the first N records")
+    p.add_argument("--max-model-len", type=int, default=None, help="engine context length (default: model's)")
+    p.add_argument("--out", required=True, help="output .jsonl, one trajectory per line")
+    args = p.parse_args(argv)
+    check_sampling_args(args)
+    for flag in ("limit", "max_model_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            die(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return args
 
 
@@ -627,24 +660,25 @@ def main(argv=None):
         die(f"--data {args.data}: {e}")
     tokenizer = load_tokenizer(model_path)
     try:
-        prompts, n_cut = prepare_prompts([data.prompt_ids(tokenizer, r["messages"]) for r in records],
-                                         args.max_prompt_length, args.truncate_prompts)
+        prompts, n_cut = tokenize_prompts(tokenizer, records, args.max_prompt_length, args.truncate_prompts)
     except PromptTooLong as e:
         die(f"--data {args.data}: {e}")
     dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
     print(f"[setup] {args.engine} engine dtype {dtype} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(model_path, kind=args.engine, dtype=dtype, seed=args.seed,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                         enforce_eager=args.enforce_eager)
+                         enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation)
     t0 = time.perf_counter()
     try:
-        rollout = sample(engine, prompts, n=args.n, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
+        rollout = sample(engine, prompts, n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
                          max_response_tokens=args.max_response_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
                          intervention_ids=intervention_ids(tokenizer, args.intervention_text),
                          eos_ids=end_of_turn_ids(model_path, tokenizer), timeout=args.rollout_timeout)
     except (RolloutTimeout, PromptTooLong) as e:
         die(str(e))
+    finally:
+        engine.close()
     seconds = time.perf_counter() - t0
     for t in rollout:
         t["id"] = records[t["prompt_index"]]["id"]

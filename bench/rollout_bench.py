@@ -7,7 +7,7 @@
   3. seconds for one sync_weights of the model (full weights into the running engine);
   plus engine start-up seconds (run once with and once without --enforce-eager to compare).
 
-    python bench/rollout_bench.py --model smollm2 --data math500 --limit 8 --n 2 [--enforce-eager]
+    python bench/rollout_bench.py --model smollm2 --data math500 --limit 8 --samples-per-prompt 2 [--enforce-eager]
 
 Partial results go to stderr as they come; the last stdout line is the whole result as JSON.
 """
@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import rollout  # noqa: E402
-from model import load_causal_lm, resolve_model  # noqa: E402
+from model import choose_dtype, load_causal_lm, resolve_model  # noqa: E402
 
 
 def log(res):
@@ -52,11 +52,11 @@ def main():
     p.add_argument("--model", default="smollm2", help="alias or HF model directory")
     p.add_argument("--data", default="math500", help="dataset name or path (prompts)")
     p.add_argument("--limit", type=int, default=8, help="prompts")
-    p.add_argument("--n", type=int, default=2, help="samples per prompt")
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="samples per prompt")
     p.add_argument("--turn-tokens", type=int, default=48, help="per-turn budget")
     p.add_argument("--max-turns", type=int, default=2, help="interventions")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--dtype", default="bfloat16", help="engine dtype (both backends)")
+    p.add_argument("--engine-dtype", default="auto", help="engine dtype (both backends): auto (model.choose_dtype) | bfloat16 | float32")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 beats 2 on a busy 2-core box)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats (median reported)")
@@ -64,18 +64,19 @@ def main():
     args = p.parse_args()
 
     path = resolve_model(args.model)
+    args.engine_dtype = choose_dtype(args.engine_dtype)[0]  # both backends in the same dtype
     t0 = time.perf_counter()
-    engine = rollout.make_engine(path, dtype=args.dtype, seed=0, enforce_eager=args.enforce_eager)
+    engine = rollout.make_engine(path, dtype=args.engine_dtype, seed=0, enforce_eager=args.enforce_eager)
     init_s = time.perf_counter() - t0
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = engine.tokenizer
     prompts = [data.prompt_ids(tok, r["messages"]) for r in data.load_dataset(args.data, limit=args.limit)]
-    kw = dict(n=args.n, turn_tokens=args.turn_tokens, max_turns=args.max_turns, temperature=args.temperature,
+    kw = dict(n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns, temperature=args.temperature,
               intervention_ids=rollout.intervention_ids(tok, "paper"), eos_ids=[tok.eos_token_id])
     rollout.sample(engine, prompts[:2], **{**kw, "turn_tokens": 8})  # warm-up: first calls are slow
 
-    rows = [p for p in prompts for _ in range(args.n)]
+    rows = [p for p in prompts for _ in range(args.samples_per_prompt)]
     full = (args.max_turns + 1) * args.turn_tokens  # tokens per row when nobody stops
     runs = {k: [] for k in ("mt_forced", "mt_natural", "plain", "plain_feat", "plain_natural")}
     for r in range(args.repeats):  # interleaved so that background load hits every variant alike
@@ -95,9 +96,9 @@ def main():
         runs["plain_natural"].append(n_tok / s)
     med = {k: statistics.median(v) for k, v in runs.items()}
     summary = rollout.summarize(ro, ro.stats["seconds"])
-    res = dict(model=Path(path).name, dtype=args.dtype, enforce_eager=args.enforce_eager,
+    res = dict(model=Path(path).name, dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
                threads=torch.get_num_threads(), block_size=engine.llm.llm_engine.vllm_config.cache_config.block_size,
-               prompts=len(prompts), n=args.n, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
+               prompts=len(prompts), n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
                engine_init_s=round(init_s, 1), **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},
                ratio_machinery=round(statistics.median(m / f for m, f in zip(runs["mt_forced"], runs["plain_feat"])), 3),
                ratio_machinery_vs_bare=round(statistics.median(m / b for m, b in zip(runs["mt_forced"], runs["plain"])), 3),
@@ -107,7 +108,7 @@ def main():
     log(res)
 
     # sync_weights: the model's full weights, as the trainer would send them after a step
-    hf_model = load_causal_lm(path, dtype=getattr(torch, args.dtype))
+    hf_model = load_causal_lm(path, dtype=getattr(torch, args.engine_dtype))
     named = [(k, v.detach()) for k, v in hf_model.named_parameters()]
     before = engine.generate(prompts[:4], 16, temperature=0)
     times = []
@@ -117,13 +118,13 @@ def main():
         times.append(time.perf_counter() - t0)
     after = engine.generate(prompts[:4], 16, temperature=0)
     res.update(sync_weights_s=round(statistics.median(times), 3),
-               sync_same_weights_same_greedy=[o[0].token_ids for o in before] == [o[0].token_ids for o in after])
+               sync_same_weights_same_greedy=[o.token_ids for o in before] == [o.token_ids for o in after])
     log(res)
     del hf_model, named
 
     if args.hf_limit:  # the same multi-turn sampling on a few prompts, vLLM then transformers
         speed = {}
-        for name, eng in (("vllm", engine), ("hf", rollout.make_engine(path, kind="hf", dtype=args.dtype, seed=0))):
+        for name, eng in (("vllm", engine), ("hf", rollout.make_engine(path, kind="hf", dtype=args.engine_dtype, seed=0))):
             ro = rollout.sample(eng, prompts[:args.hf_limit], seed=0, **kw)
             speed[name] = ro.stats["action_tokens"] / ro.stats["seconds"]
         res.update(hf_prompts=args.hf_limit, vllm_small_tok_s=round(speed["vllm"], 1),

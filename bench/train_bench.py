@@ -126,7 +126,7 @@ def main():
     actor = M.shard(M.load_causal_lm(path).to(device))
     ref = M.shard(M.load_causal_lm(path).to(device))
     ref.requires_grad_(False)
-    opt = torch.optim.AdamW(actor.parameters(), lr=targs.actor_lr, weight_decay=targs.weight_decay)
+    opt = train.make_optimizer(actor, targs.actor_lr, targs.weight_decay)
     trajs = rollout_like(args.trajectories, bare.config.vocab_size, args.seed)
     batch = to_batch(trajs, tokenizer.pad_token_id)
     real_tokens = sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs)
@@ -181,7 +181,7 @@ def main():
     # what the update does beyond forward + backward: clip + AdamW once per mini-batch (timed again on the actor)
     t0 = time.perf_counter()
     for _ in minis:
-        torch.nn.utils.clip_grad_norm_(actor.parameters(), targs.grad_clip)
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), targs.grad_clip, foreach=True)
         opt.step()
     t_opt = time.perf_counter() - t0
 

@@ -39,8 +39,8 @@ class ScriptedEngine:
         assert len(hits) == 1, f"row matches {len(hits)} prompts of this sample() call"
         return hits[0]
 
-    def generate(self, prompt_token_ids, max_tokens, *a, n=1, eos_ids=None, **k):
-        real = self.engine.generate(prompt_token_ids, max_tokens, *a, n=n, eos_ids=eos_ids, **k)  # the real call
+    def generate(self, prompt_token_ids, max_tokens, *a, eos_ids=None, **k):
+        real = self.engine.generate(prompt_token_ids, max_tokens, *a, eos_ids=eos_ids, **k)  # the real call
         self.calls += 1
         tok = self.engine.tokenizer
         eos = tok.eos_token_id if eos_ids is None else list(eos_ids)[0]

@@ -45,7 +45,7 @@ def main():
         for call in range(rank + 1):
             t = time.time()
             out = engine.generate([tok.encode(f"Question {rank}-{call}: count to ten.")], 8, temperature=0.0)
-            assert len(out[0][0].token_ids) == 8
+            assert len(out[0].token_ids) == 8
             res["calls_s"].append(round(time.time() - t, 2))
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))  # progress, in case the next call hangs
         t = time.time()

@@ -4,23 +4,19 @@ the smaller limit), so that a wrong formula, index or truncation makes a test fa
 import itertools
 import json
 import os
-import subprocess
-import sys
 from fractions import Fraction
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import eval as ev
+from conftest import run_script, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_eval(*argv, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *map(str, argv)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_script("eval.py", *argv, env=ENV, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- pass@k
@@ -36,11 +32,6 @@ def test_pass_at_k_matches_enumeration():
 
 
 # ----------------------------------------------------------------------------- --score
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 def test_score_jsonl_exact_accuracy_two_checkpoints(tmp_path):
     # per checkpoint: gsm8k 2 of 3 right (a), 1 of 3 (b); math500 1 of 2 (a), 2 of 2 (b)
@@ -108,7 +99,8 @@ def test_score_parquet_n_samples_pass_at_k(tmp_path):
     (["--score", "NOCOLS"], "response"),
     (["--score", "NOGOLD"], "ground truth"),
     ([], "checkpoint"),
-    (["smollm2", "--max-tokens", "0"], "--max-tokens"),
+    (["smollm2", "--max-response-tokens", "0"], "--max-response-tokens"),
+    (["smollm2", "--n", "2"], "--n"),  # one name per concept: --samples-per-prompt
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, argv, needle):
     write_jsonl(tmp_path / "nocols.jsonl", [{"data_source": "gsm8k", "answer": "3", "text": "3"}])
@@ -153,10 +145,11 @@ def test_score_bad_file_names_file_and_row(tmp_path, capsys, name, content, need
 
 # ----------------------------------------------------------------------------- end to end (tiny model, vLLM)
 
+@pytest.mark.vllm  # in eval.py
 def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
-    r = run_eval(tiny_model_dir, "--benchmarks", "gsm8k,math500", "--limit", 3, "--max-tokens", 32,
-                 "--budgets", "8,16,48", "--engine", "vllm", "--dtype", "float32", "--out", out)
+    r = run_eval(tiny_model_dir, "--benchmarks", "gsm8k,math500", "--limit", 3, "--max-response-tokens", 32,
+                 "--budgets", "8,16,48", "--engine", "vllm", "--engine-dtype", "float32", "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("samples.jsonl", "summary.json", "summary.md", "budget.png"):
         assert (out / name).stat().st_size > 0, name
@@ -208,8 +201,7 @@ def smol_engine(smollm2_dir):
 
 
 def gen_args(**kw):
-    base = dict(max_tokens=64, budgets=[], n=1, max_turns=0, turn_tokens=1000, intervention="paper",
-                turn_rule="reference", cut_at_answer=True, temperature=0.0, top_p=1.0, seed=0, batch_size=64)
+    base = dict(vars(ev.parse_args(["smollm2"])), max_response_tokens=64, intervention_text="paper")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -227,15 +219,15 @@ def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine)
     tok = load_tokenizer(smollm2_dir)
     records = gsm8k_records(3)
     budgets = [10, 20, 32]
-    long = ev.generate(smol_engine, tok, records, gen_args(max_tokens=48))
+    long = ev.generate(smol_engine, tok, records, gen_args(max_response_tokens=48))
     assert any(len(s["response_ids"]) > 32 for s in long)
     # golds: the last number each response reaches by 20 tokens, so correctness changes across budgets
     golds = [reward.extract_answer(tok.decode(s["response_ids"][:20]), last_number=True) or "0" for s in long]
     with_gold = lambda samples: [{**s, "gold": g} for s, g in zip(samples, golds)]  # noqa: E731
-    scored = ev.score_generated(with_gold(long), gen_args(max_tokens=48, budgets=budgets), tok)
+    scored = ev.score_generated(with_gold(long), gen_args(max_response_tokens=48, budgets=budgets), tok)
     seen = set()
     for b in budgets:
-        short = ev.generate(smol_engine, tok, records, gen_args(max_tokens=b))
+        short = ev.generate(smol_engine, tok, records, gen_args(max_response_tokens=b))
         for lg, sh, sc, gold in zip(long, short, scored, golds):
             n = len(sh["response_ids"])
             assert lg["response_ids"][:n] == sh["response_ids"] and (n == b or n == len(lg["response_ids"]))
@@ -243,8 +235,8 @@ def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine)
             assert sc["budget_correct"][str(b)] == bool(want), (b, sh["_full_text"])
             seen.add(bool(want))
         if b == 20:  # the main numbers at --max-tokens 20, cut from the 48-token run == a 20-token run's
-            cut20 = ev.score_generated(with_gold(long), gen_args(max_tokens=20, budgets=[48]), tok)
-            real20 = ev.score_generated(with_gold(short), gen_args(max_tokens=20), tok)
+            cut20 = ev.score_generated(with_gold(long), gen_args(max_response_tokens=20, budgets=[48]), tok)
+            real20 = ev.score_generated(with_gold(short), gen_args(max_response_tokens=20), tok)
             for a, r in zip(cut20, real20):
                 for key in ("response_text", "num_tokens", "truncated", "turns", "correct", "pred", "has_answer"):
                     assert a[key] == r[key], key
@@ -264,16 +256,16 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     tok = load_tokenizer(smollm2_dir)
     records = gsm8k_records(2)
     iv = len(rollout.intervention_ids(tok, "paper"))
-    args = dict(max_turns=1, turn_tokens=8, intervention="paper", turn_rule="reference", cut_at_answer=True)
+    args = dict(max_turns=1, turn_tokens=8, intervention_text="paper", turn_rule="reference", cut_at_answer=True)
     budgets = [5, 8 + iv // 2, 8 + iv + 4]  # inside turn 1, inside the intervention, inside turn 2
-    long = ev.generate(smol_engine, tok, records, gen_args(max_tokens=8 + iv + 8, **args))
+    long = ev.generate(smol_engine, tok, records, gen_args(max_response_tokens=8 + iv + 8, **args))
     assert all(s["_turns"] == 2 and s["_action_mask"][8:8 + iv] == [0] * iv for s in long)
     for b in budgets:
-        short = ev.generate(smol_engine, tok, records, gen_args(max_tokens=b, **args))
+        short = ev.generate(smol_engine, tok, records, gen_args(max_response_tokens=b, **args))
         for lg, sh in zip(long, short):
             text, ntok, trunc, turns = ev.cut(lg, b, tok)
             assert (ntok, trunc, turns) == (len(sh["response_ids"]), sh["_truncated"], sh["_turns"]), b
             assert lg["response_ids"][:ntok] == sh["response_ids"] and text == sh["_full_text"]
-    scored = ev.score_generated([dict(s) for s in long], gen_args(max_tokens=8 + iv + 8, budgets=budgets, **args), tok)
+    scored = ev.score_generated([dict(s) for s in long], gen_args(max_response_tokens=8 + iv + 8, budgets=budgets, **args), tok)
     stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
     assert stats["mean_turns"] == 2.0 and stats["n"] == 2

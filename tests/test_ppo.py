@@ -144,6 +144,29 @@ def test_masked_statistics_vs_numpy():
     assert float(ppo.masked_mean(x, torch.zeros_like(mask))) == 0.0  # empty mask -> 0, not nan
 
 
+def test_masked_whiten_over_ranks_uses_every_ranks_moments():
+    """Two 'ranks' holding halves of a batch, whitened with summed moments (train.py's GAE whitening), give
+    the whole batch's whitening, not each half's own."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64) * 3 + 1
+    mask = random_mask(6, 8, gen)
+    halves = [(x[:3], mask[:3]), (x[3:] * 5, mask[3:])]  # different scales: local whitening would differ
+    whole_x = torch.cat([h[0] for h in halves])
+
+    def sum_over_ranks(local):  # what all_reduce_sum returns on every rank: the sum of both ranks' lists
+        return [sum(v) for v in zip(*[[float(torch.where(m.bool(), y, 0).sum()),
+                                       float(torch.where(m.bool(), y * y, 0).sum()), float(m.sum())]
+                                      for y, m in halves])]
+
+    sel = whole_x.numpy()[mask.numpy()]
+    for y, m in halves:
+        w = ppo.masked_whiten(y, m, sum_over_ranks=sum_over_ranks)
+        np.testing.assert_allclose(w.numpy()[m.numpy()], (y.numpy()[m.numpy()] - sel.mean()) / np.sqrt(sel.var() + 1e-8),
+                                   rtol=1e-6)
+        local = ppo.masked_whiten(y, m)
+        assert not torch.allclose(w, local)
+
+
 # ----------------------------------------------------------------------------- aggregation
 def test_agg_loss_modes_hand_example():
     loss = torch.tensor([[1.0, 2.0, 3.0, 100.0],
@@ -309,15 +332,6 @@ def test_group_advantages_equal_scores_are_zero():
 
 
 # ----------------------------------------------------------------------------- KL controllers
-def test_fixed_kl_controller():
-    c = ppo.FixedKLController(0.001)
-    c.update(current_kl=50.0, n_steps=256)
-    assert c.value == 0.001
-    c2 = ppo.FixedKLController(0.5)
-    c2.load_state_dict(c.state_dict())
-    assert c2.value == 0.001
-
-
 def test_adaptive_kl_controller():
     c = ppo.AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
     c.update(current_kl=12.0, n_steps=256)  # error 1.0 clipped to +0.2

@@ -1,17 +1,14 @@
 """Tests for rollout.py on a random tiny Llama (it almost never emits EOS: good for budgets and interventions).
 One vLLM engine and one transformers engine per session; the 2-rank test runs torchrun in a subprocess."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import rollout
+from conftest import run_script
 from model import load_causal_lm
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 512  # engine context: small so that the context cap is cheap to reach
 
 
@@ -126,7 +123,7 @@ def test_response_and_context_caps_truncate(vllm_engine, prompts, iv):
 
 
 def test_eos_and_stop_strings_finish_a_turn(vllm_engine, hf_engine, prompts, iv, tok):
-    greedy = vllm_engine.generate(prompts[:1], 12, temperature=0)[0][0].token_ids
+    greedy = vllm_engine.generate(prompts[:1], 12, temperature=0)[0].token_ids
     eos = greedy[4]  # pretend the 5th greedy token is EOS: the turn must stop there
     k = greedy.index(eos)
     for engine in (vllm_engine, hf_engine):
@@ -155,13 +152,9 @@ def test_eos_and_stop_strings_finish_a_turn(vllm_engine, hf_engine, prompts, iv,
 def test_greedy_vllm_matches_hf(vllm_engine, hf_engine, prompts, iv):
     v = vllm_engine.generate(prompts, 16, temperature=0)
     h = hf_engine.generate(prompts, 16, temperature=0)
-    for (a,), (b,) in zip(v, h):
+    for a, b in zip(v, h):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 16
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
-    # n completions per prompt in one request, each its own stream
-    multi = vllm_engine.generate(prompts[:2], 4, temperature=1.0, seed=[1, 2], n=3)
-    assert [len(o) for o in multi] == [3, 3] and all(len(c.token_ids) == 4 for o in multi for c in o)
-    assert len({tuple(c.token_ids) for c in multi[0]}) == 3
     kw = dict(n=1, turn_tokens=6, max_turns=2, temperature=0, seed=0, intervention_ids=iv)
     vs, hs = rollout.sample(vllm_engine, prompts, **kw), rollout.sample(hf_engine, prompts, **kw)
     assert [t["response_ids"] for t in vs] == [t["response_ids"] for t in hs]
@@ -200,15 +193,15 @@ def test_sync_weights_changes_and_restores(vllm_engine, hf_engine, tiny_model_di
         vllm_engine.sync_weights(perturbed.items())
         hf_engine.sync_weights(perturbed.items())
         moved = vllm_engine.generate(prompts, 12, temperature=0)
-        assert [o[0].token_ids for o in moved] != [o[0].token_ids for o in base]
+        assert [o.token_ids for o in moved] != [o.token_ids for o in base]
         # the new weights are the ones in use: vLLM agrees with transformers on the perturbed model
-        assert [o[0].token_ids for o in moved] == [o[0].token_ids for o in hf_engine.generate(prompts, 12, temperature=0)]
+        assert [o.token_ids for o in moved] == [o.token_ids for o in hf_engine.generate(prompts, 12, temperature=0)]
     finally:
         vllm_engine.sync_weights(original.items())
         hf_engine.sync_weights(original.items())
     back = vllm_engine.generate(prompts, 12, temperature=0)
-    assert [o[0].token_ids for o in back] == [o[0].token_ids for o in base]
-    assert [o[0].logprobs for o in back] == [o[0].logprobs for o in base]
+    assert [o.token_ids for o in back] == [o.token_ids for o in base]
+    assert [o.logprobs for o in back] == [o.logprobs for o in base]
 
 
 def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prompts, iv):
@@ -247,16 +240,15 @@ def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv)
     with pytest.raises(rollout.RolloutTimeout):
         hf_engine.generate(prompts, 200, temperature=1.0, timeout=0.01)
     out = vllm_engine.generate(prompts, 3, temperature=0)  # aborted requests are gone
-    assert len(out) == len(prompts) and all(len(o[0].token_ids) == 3 for o in out)
+    assert len(out) == len(prompts) and all(len(o.token_ids) == 3 for o in out)
 
 
-def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path, vllm_two_rank_env):
+def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path, vllm_two_rank_env,
+                                               torchrun):
     kwargs = dict(n=2, turn_tokens=6, max_turns=2, temperature=0.0, seed=0, intervention_ids=iv)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(dict(prompts=prompts, max_model_len=MAX_LEN, kwargs=kwargs)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "_rollout_worker.py"), tiny_model_dir, str(spec), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=vllm_two_rank_env)
+    proc = torchrun("tests/_rollout_worker.py", tiny_model_dir, spec, tmp_path, env=vllm_two_rank_env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shards = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(s["total"] == 2 * len(prompts) for s in shards)  # the gloo all_reduce saw both ranks
@@ -295,12 +287,6 @@ def test_prepare_prompts_rejects_or_truncates():
     assert rollout.prepare_prompts(ps, 5, truncate=True) == ([[1, 2, 3], [5, 6, 7, 8, 9]], 1)
 
 
-def test_shards_are_disjoint_and_cover():
-    for n, w in [(5, 2), (7, 3), (1, 2)]:
-        shards = [rollout.shard_indices(n, r, w) for r in range(w)]
-        assert sorted(i for s in shards for i in s) == list(range(n))
-
-
 def test_interventions(tok):
     ids = rollout.intervention_ids(tok, "reference")
     assert tok.decode(ids) == "\n\n" + rollout.INTERVENTIONS["reference"] + "\n\n"
@@ -310,15 +296,14 @@ def test_interventions(tok):
 # ----------------------------------------------------------------------------- CLI
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "rollout.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return run_script("rollout.py", *args)
 
 
 def test_cli_writes_jsonl(tiny_model_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
     out = tmp_path / "out" / "r.jsonl"
-    proc = run_cli("--model", tiny_model_dir, "--data", str(data), "--limit", "2", "--n", "2", "--max-turns", "1",
+    proc = run_cli("--model", tiny_model_dir, "--data", str(data), "--limit", "2", "--samples-per-prompt", "2", "--max-turns", "1",
                    "--turn-tokens", "4", "--temperature", "1.0", "--seed", "0", "--out", str(out), "--engine", "hf")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -336,8 +321,8 @@ def test_cli_errors_exit_2(tiny_model_dir, tmp_path):
     out = tmp_path / "r.jsonl"
     proc = run_cli("--model", tiny_model_dir, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--n", "0", "--out", str(out))
-    assert proc.returncode == 2 and "--n" in proc.stderr
+    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--samples-per-prompt", "0", "--out", str(out))
+    assert proc.returncode == 2 and "--samples-per-prompt" in proc.stderr
     proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--intervene-on", "never", "--out", str(out))
     assert proc.returncode == 2 and "--intervene-on" in proc.stderr
     assert not out.exists()

@@ -2,16 +2,16 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-KEYS = ["step", "reward/mean", "acc/mean", "response_length/mean", "turns/mean", "kl", "pg_loss", "vf_loss",
-        "clipfrac", "approx_kl", "entropy", "explained_var", "grad_norm", "time/rollout", "time/update",
+from conftest import ROOT, run_script
+
+pytestmark = pytest.mark.slow  # every test here starts train.py
+KEYS = ["step", "reward/mean", "acc/mean", "response_length/mean", "turns/mean", "kl/mean", "loss/pg", "loss/vf",
+        "actor/clipfrac", "actor/approx_kl", "actor/entropy", "critic/explained_var", "actor/grad_norm", "time/rollout", "time/update",
         "throughput/tokens_per_s"]
 
 
@@ -24,10 +24,8 @@ def train_args(model_dir, out, steps, *extra):
             *extra]
 
 
-def torchrun(args, env, nproc=2, timeout=900):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+def train_on_two_ranks(torchrun, args, env):
+    proc = torchrun("train.py", *args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -37,20 +35,21 @@ def metrics(out):
 
 
 @pytest.fixture(scope="module")
-def three_steps(tiny_model_dir, tmp_path_factory, vllm_two_rank_env):
+def three_steps(tiny_model_dir, tmp_path_factory, vllm_two_rank_env, torchrun):
     """An uninterrupted 3-step run on 2 ranks that checkpoints at steps 2 and 3."""
     out = tmp_path_factory.mktemp("train") / "full"
-    torchrun(train_args(tiny_model_dir, out, 3, "--save-freq", "2"), vllm_two_rank_env)
+    train_on_two_ranks(torchrun, train_args(tiny_model_dir, out, 3, "--save-freq", "2"), vllm_two_rank_env)
     return out
 
 
+@pytest.mark.timeout(1000)  # the fixture's run: up to 900 s
 def test_two_rank_run_writes_metrics_and_checkpoints(three_steps):
     rows = metrics(three_steps)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert set(KEYS) <= set(r), set(KEYS) - set(r)
         assert r["response_length/mean"] > 0 and 1 <= r["turns/mean"] <= 2
-    assert rows[-1]["approx_kl"] > 0  # the actor moved between the rollout and the update
+    assert rows[-1]["actor/approx_kl"] > 0  # the actor moved between the rollout and the update
     assert os.readlink(three_steps / "latest") == "step_000003"
     for step in (2, 3):
         ckpt = three_steps / f"step_{step:06d}"
@@ -59,20 +58,23 @@ def test_two_rank_run_writes_metrics_and_checkpoints(three_steps):
     assert not list(three_steps.glob("*.tmp"))
 
 
-def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_path, vllm_two_rank_env):
+@pytest.mark.timeout(1900)  # the fixture's run and this one: up to 900 s each
+def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(three_steps / "step_000002", out / "step_000002")
     (out / "latest").symlink_to("step_000002")
-    torchrun(train_args(tiny_model_dir, out, 3, "--resume"), vllm_two_rank_env)
+    train_on_two_ranks(torchrun, train_args(tiny_model_dir, out, 3, "--resume"), vllm_two_rank_env)
     full, resumed = metrics(three_steps)[-1], metrics(out)[-1]
     assert resumed["step"] == full["step"] == 3
     assert resumed["reward/mean"] == full["reward/mean"]
     assert resumed["response_length/mean"] == full["response_length/mean"]
-    for key in ("pg_loss", "vf_loss", "kl", "entropy", "approx_kl"):
+    for key in ("loss/pg", "loss/vf", "kl/mean", "actor/entropy", "actor/approx_kl"):
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
 
 
+@pytest.mark.vllm  # an engine of its own, besides the fixture's run
+@pytest.mark.timeout(1000)
 def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir):
     from transformers import AutoModelForCausalLM
     import rollout
@@ -87,7 +89,7 @@ def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir)
     engine = rollout.make_engine(str(actor), kind="vllm", dtype="float32", max_model_len=256, enforce_eager=True,
                                  gpu_memory_utilization=0.25)
     try:
-        (out,), = engine.generate([ids[0].tolist()], 8, temperature=0.0)
+        (out,) = engine.generate([ids[0].tolist()], 8, temperature=0.0)
     finally:
         engine.close()
     greedy = trained.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
@@ -108,18 +110,18 @@ train.main(sys.argv[1:])
 """
 
 
+@pytest.mark.timeout(1900)  # two runs of up to 900 s
 def test_crash_while_checkpointing_keeps_previous_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "crash"
     args = train_args(tiny_model_dir, out, 2, "--save-freq", "1", "--engine", "hf")
     worker = tmp_path / "worker.py"
     worker.write_text(CRASH_WORKER.format(root=str(ROOT)))
-    proc = subprocess.run([sys.executable, str(worker), *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = run_script(worker, *args, timeout=900)
     assert proc.returncode == 9, proc.stderr[-3000:]
     assert os.readlink(out / "latest") == "step_000001"
     assert (out / "step_000002.tmp").exists() and not (out / "step_000002").exists()
     # the previous checkpoint loads: resume from it and finish step 2
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--resume"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_script("train.py", *args, "--resume", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[resume]" in proc.stdout and "step_000001" in proc.stdout
     assert os.readlink(out / "latest") == "step_000002"
@@ -127,11 +129,9 @@ def test_crash_while_checkpointing_keeps_previous_checkpoint(tiny_model_dir, tmp
 
 
 def test_bad_flags_exit_2(tiny_model_dir, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *train_args(tiny_model_dir, tmp_path, 1),
-                           "--batch-size", "3", "--mini-batch-size", "4"], cwd=ROOT, capture_output=True, text=True)
+    proc = run_script("train.py", *train_args(tiny_model_dir, tmp_path, 1), "--batch-size", "3", "--mini-batch-size", "4")
     assert proc.returncode == 2 and "--mini-batch-size" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", str(tmp_path / "missing.jsonl"),
-                           "--model", str(tiny_model_dir)], cwd=ROOT, capture_output=True, text=True)
+    proc = run_script("train.py", "--data", tmp_path / "missing.jsonl", "--model", tiny_model_dir)
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -151,17 +151,15 @@ train.main(sys.argv[1:])
 """
 
 
-def test_nonfinite_minibatch_is_skipped_on_every_rank_and_training_goes_on(tiny_model_dir, tmp_path):
+def test_nonfinite_minibatch_is_skipped_on_every_rank_and_training_goes_on(tiny_model_dir, tmp_path, torchrun):
     """GAE (actor + critic), two mini-batches per step, one of them non-finite on one rank only."""
     worker = tmp_path / "worker.py"
     worker.write_text(NAN_WORKER.format(root=str(ROOT)))
     out = tmp_path / "nan"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           *train_args(tiny_model_dir, out, 2, "--engine", "hf")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = torchrun(worker, *train_args(tiny_model_dir, out, 2, "--engine", "hf"), env=None, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
-    assert [r["skipped_updates"] for r in rows] == [1, 0]
-    assert rows[0]["vf_loss"] is not None and rows[0]["grad_norm"] is not None  # the other mini-batch's stats
+    assert [r["update/skipped"] for r in rows] == [1, 0]
+    assert rows[0]["loss/vf"] is not None and rows[0]["actor/grad_norm"] is not None  # the other mini-batch's stats
     assert proc.stderr.count("update skipped") == 2  # both ranks skipped the same step

@@ -1,7 +1,4 @@
 """train.py's pieces in isolation: flag checks, advantages, the update step (modes, weights, skips)."""
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +6,6 @@ import torch
 
 import model as M
 import train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--samples-per-prompt", "0"),
@@ -30,6 +25,18 @@ def test_group_estimators_need_two_samples_per_prompt(capsys):
         assert "--samples-per-prompt" in capsys.readouterr().err
     assert train.parse_args(["--data", "x", "--adv", "grpo"]).kl_loss_coef == 0.001  # veRL's GRPO default
     assert train.parse_args(["--data", "x"]).kl_loss_coef == 0.0
+
+
+def test_length_coef_charges_every_policy_token_and_only_those():
+    """--length-coef: score = acc - C * the policy's tokens (interventions cost nothing), correct or not."""
+    records = [{"data_source": "arith", "ground_truth": "12"}]
+    trajs = [dict(prompt_index=0, policy_text="Answer: 12", action_mask=[1] * 10 + [0] * 30 + [1] * 5),
+             dict(prompt_index=0, policy_text="Answer: 13", action_mask=[1] * 20)]
+    for coef in (0.0, 0.01):
+        args = SimpleNamespace(cut_at_answer=True, length_coef=coef)
+        got = train.score(trajs, records, args)
+        assert [r["acc"] for r in got] == [1.0, 0.0]
+        assert [r["score"] for r in got] == pytest.approx([1.0 - coef * 15, 0.0 - coef * 20])
 
 
 def test_grpo_advantages_ignore_the_kl():
@@ -85,7 +92,7 @@ def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-4)
     stats, skipped = train.ppo_update(actor, None, opt, None, update_batch(actor), torch.arange(4),
                                       SimpleNamespace(**UPDATE_ARGS), train.nullcontext, torch.device("cpu"))
-    assert skipped == 0 and {"pg_loss", "entropy", "kl_loss", "grad_norm"} <= set(stats)
+    assert skipped == 0 and {"loss/pg", "actor/entropy", "loss/kl", "actor/grad_norm"} <= set(stats)
     assert len(calls) == (4 if checkpointing else 2)  # 2 micro-batches
     assert not actor.training  # back in eval mode for the no-grad log-prob passes
 
@@ -102,28 +109,21 @@ def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model
     stats, skipped = train.ppo_update(actor, critic, a_opt, c_opt, batch, torch.arange(4),
                                       SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), train.nullcontext,
                                       torch.device("cpu"))
-    assert skipped == 1 and "vf_loss" in stats and stats["critic_grad_norm"] > 0
+    assert skipped == 1 and "loss/vf" in stats and stats["critic/grad_norm"] > 0
     assert all(torch.equal(t, before[n]) for n, t in M.full_state_dict(actor))  # the actor did not move
 
 
-def torchrun(nproc, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def test_token_mean_is_over_the_global_mini_batch(tiny_model_dir, tmp_path):
+def test_token_mean_is_over_the_global_mini_batch(tiny_model_dir, tmp_path, torchrun):
     """2 ranks holding 6 and 70 action tokens take the same step as 1 rank holding all 76."""
-    worker = str(ROOT / "tests" / "_token_mean_worker.py")
-    torchrun(1, worker, tiny_model_dir, str(tmp_path / "one.pt"))
-    torchrun(2, worker, tiny_model_dir, str(tmp_path / "two.pt"))
+    for nproc, out in ((1, "one.pt"), (2, "two.pt")):
+        proc = torchrun("tests/_token_mean_worker.py", tiny_model_dir, tmp_path / out, nproc=nproc, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     base = dict(M.full_state_dict(M.load_causal_lm(tiny_model_dir)))
     moved = max((one["params"][n] - base[n]).abs().max().item() for n in base)
     diff = max((one["params"][n] - two["params"][n]).abs().max().item() for n in base)
     assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
-    assert two["stats"]["pg_loss"] == pytest.approx(one["stats"]["pg_loss"], abs=1e-5)
+    assert two["stats"]["loss/pg"] == pytest.approx(one["stats"]["loss/pg"], abs=1e-5)
 
 
 def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model_dir, one_rank_group):
@@ -145,9 +145,9 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
         opt = torch.optim.SGD(actor.parameters(), lr=1.0)
         stats, _ = train.ppo_update(actor, None, opt, None, batch, torch.arange(4), args, train.nullcontext,
                                     torch.device("cpu"))
-        assert stats["clipfrac"] == 0 and stats["approx_kl"] == pytest.approx(0, abs=1e-6)
+        assert stats["actor/clipfrac"] == 0 and stats["actor/approx_kl"] == pytest.approx(0, abs=1e-6)
         if reuse:  # the diagnostics the skipped pass would have given
-            assert stats["kl"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
+            assert stats["kl/mean"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
             assert stats["rollout/logprob_gap"] == pytest.approx(float((old + 9.0).abs().mean()), abs=1e-4)
         params.append({n: t.clone() for n, t in M.full_state_dict(actor)})
     assert max((params[0][n] - params[1][n]).abs().max().item() for n in params[0]) < 1e-5

@@ -23,7 +23,7 @@ class ScriptedEngine:
         self.calls = {}
         self.requests = []
 
-    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), n=1,
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None):
         out = []
         budgets = rollout._per_prompt(max_tokens, len(prompt_token_ids))
@@ -40,7 +40,7 @@ class ScriptedEngine:
                     break
             if len(script) > budget:
                 script, stopped = script[:budget], False
-            out.append([rollout.Completion(script, [-0.5] * len(script), stopped)])
+            out.append(rollout.Completion(script, [-0.5] * len(script), stopped))
         return out
 
 

@@ -1,0 +1,62 @@
+"""One vocabulary: the sampling and intervention flags mean the same in train.py, rollout.py and eval.py."""
+import pytest
+
+import eval as ev
+import rollout
+import train
+
+# every shared flag set away from its default
+SHARED = ["--system-prompt", "train", "--samples-per-prompt", "3", "--max-turns", "2", "--turn-tokens", "7",
+          "--max-response-tokens", "40", "--turn-rule", "paper", "--no-cut-at-answer", "--intervention-text", "paper",
+          "--stop", "</answer>", "--temperature", "0.5", "--top-p", "0.9", "--seed", "5", "--max-prompt-length", "99",
+          "--truncate-prompts", "--engine", "hf", "--engine-dtype", "float32", "--gpu-memory-utilization", "0.3",
+          "--enforce-eager", "--attn-implementation", "eager", "--rollout-timeout", "9", "--verbose"]
+CLIS = {"train": (train.parse_args, ["--data", "arith_train"]),
+        "rollout": (rollout.parse_args, ["--data", "arith_train", "--out", "x.jsonl"]),
+        "eval": (ev.parse_args, ["smollm2"])}
+
+
+def shared_dests():
+    return sorted({a.dest for a in rollout.sampling_flags()._actions if a.dest != "help"})
+
+
+def test_every_cli_parses_the_shared_flags_alike():
+    parsed = {name: vars(parse(own + SHARED)) for name, (parse, own) in CLIS.items()}
+    for dest in shared_dests():
+        values = {name: p[dest] for name, p in parsed.items()}
+        assert len({repr(v) for v in values.values()}) == 1, (dest, values)
+    assert parsed["train"]["samples_per_prompt"] == 3 and parsed["eval"]["cut_at_answer"] is False
+
+
+def test_defaults_differ_only_where_the_job_does():
+    defaults = {name: vars(parse(own)) for name, (parse, own) in CLIS.items()}
+    differ = {d for d in shared_dests() if len({repr(p[d]) for p in defaults.values()}) > 1}
+    # train: 8 samples, a prompt cap, room for training on the GPU; eval: greedy, single turn, 4096 tokens
+    assert differ == {"samples_per_prompt", "max_prompt_length", "gpu_memory_utilization", "temperature",
+                      "max_turns", "max_response_tokens", "system_prompt"}
+    assert defaults["eval"]["temperature"] == 0.0 and defaults["eval"]["max_turns"] == 0
+    assert defaults["train"]["turn_rule"] == defaults["eval"]["turn_rule"] == "reference"
+
+
+@pytest.mark.parametrize("cli,flag", [("train", "--n"), ("train", "--max-response-length"), ("rollout", "--n"),
+                                      ("rollout", "--dtype"), ("eval", "--n"), ("eval", "--max-tokens"),
+                                      ("eval", "--intervention"), ("eval", "--dtype")])
+def test_old_names_are_gone(cli, flag, capsys):
+    parse, own = CLIS[cli]
+    with pytest.raises(SystemExit) as e:
+        parse(own + [flag, "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and flag in err[0], err
+
+
+@pytest.mark.parametrize("flags,needle", [(["--samples-per-prompt", "0"], "--samples-per-prompt"),
+                                          (["--top-p", "0"], "--top-p"), (["--max-turns", "-1"], "--max-turns"),
+                                          (["--intervention-text", " "], "--intervention-text"),
+                                          (["--engine-dtype", "int8"], "--engine-dtype"),
+                                          (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")])
+def test_one_check_for_every_cli(flags, needle, capsys):
+    for parse, own in CLIS.values():
+        with pytest.raises(SystemExit) as e:
+            parse(own + flags)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
