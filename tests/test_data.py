@@ -1,8 +1,6 @@
 """data.py: layouts, preprocessors, arithmetic, bad input, prompts, bundled sets."""
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,19 +8,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import data
+from conftest import ROOT, run_script, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 EVAL, TRAIN = data.SYSTEM_PROMPTS["eval"], data.SYSTEM_PROMPTS["train"]
 
 
-def run_cli(*argv, cwd=None):
-    return subprocess.run([sys.executable, str(ROOT / "data.py"), *map(str, argv)], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+def run_cli(*argv, cwd=ROOT):
+    return run_script("data.py", *argv, cwd=cwd, timeout=120)
 
 
 def user(text):

@@ -1,14 +1,10 @@
 """--dtype/--engine-dtype auto (model.choose_dtype) and the quiet console (model.quiet_logs)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import model as M
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_script
 X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {extra}\n\n"
 
 
@@ -44,23 +40,23 @@ def test_aarch64_and_timing_fallback(monkeypatch):
     assert dtype in ("bfloat16", "float32") and "matmul" in reason
 
 
+@pytest.mark.slow  # a train.py start
 def test_train_startup_line_states_the_dtype():
     """The [setup] line says what was chosen and why, before any model loads (here the run stops soon after it:
     the batch is larger than the data set)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data", "arith_test", "--batch-size", "100000",
-                           "--engine-dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = run_script("train.py", "--data", "arith_test", "--batch-size", "100000", "--engine-dtype", "float32")
     assert proc.returncode == 2 and "fewer than --batch-size" in proc.stderr, proc.stderr[-2000:]
     want, why = M.choose_dtype("auto")
     assert f"[setup] dtype {want} ({why}); vllm engine dtype float32 (requested)" in proc.stdout.splitlines()
 
 
+@pytest.mark.vllm
 def test_rollout_cli_is_quiet(tiny_model_dir, tmp_path):
     """vLLM's INFO lines and known-harmless warnings stay off the console without --verbose."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2"}) + "\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "rollout.py"), "--model", str(tiny_model_dir), "--data", str(data),
-                           "--max-turns", "1", "--turn-tokens", "4", "--enforce-eager", "--out", str(tmp_path / "r.jsonl")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = run_script("rollout.py", "--model", tiny_model_dir, "--data", data, "--max-turns", "1", "--turn-tokens", "4",
+                      "--enforce-eager", "--out", tmp_path / "r.jsonl")
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = (proc.stdout + proc.stderr).splitlines()
     assert not [line for line in console if " INFO " in line], console

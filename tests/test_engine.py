@@ -1,7 +1,6 @@
 """The GPU-side engine protocol against a recording fake (no GPU needed), --attn-implementation reaching the
 loaded models, and the embedded model's prepare race between processes."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +10,7 @@ import torch
 
 import model as M
 import rollout
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+from conftest import CPU_ENV, ROOT, run_script
 
 
 class RecordingLLM:
@@ -130,19 +127,17 @@ train.main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow  # two train.py starts
 def test_attn_implementation_flag_reaches_actor_reference_and_critic(tiny_model_dir, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(ATTN_WORKER.format(root=str(ROOT)))
     args = ["--model", tiny_model_dir, "--data", "arith_train", "--out", str(tmp_path / "out"), "--steps", "1",
             "--batch-size", "4", "--engine", "hf", "--dtype", "float32"]
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "seen.json"), *args,
-                           "--attn-implementation", "eager"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_script(worker, tmp_path / "seen.json", *args, "--attn-implementation", "eager", env=CPU_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "seen.json").read_text()) == ["eager"] * 3
     # flash-attn asked for where it cannot run (not installed, or no CUDA): one line, exit 2
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--attn-implementation", "flash_attention_2"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", *args, "--attn-implementation", "flash_attention_2", env=CPU_ENV)
     assert proc.returncode == 2 and "--attn-implementation flash_attention_2" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
@@ -175,12 +170,13 @@ print(model.resolve_model("smollm2"))
 """
 
 
+@pytest.mark.slow  # two processes importing torch, one holding the lock for a second
 def test_prepare_race_builds_once(tmp_path):
     """Two processes (ranks, or nodes on a shared models/) prepare the embedded model at once on an empty
     models directory: one builds, the other waits on the lock, both get the one complete directory."""
     worker = tmp_path / "worker.py"
     worker.write_text(PREPARE_WORKER.format(root=str(ROOT)))
-    env = {**ENV, "MUTIS_MODELS_DIR": str(tmp_path / "models")}
+    env = {**CPU_ENV, "MUTIS_MODELS_DIR": str(tmp_path / "models")}
     procs = [subprocess.Popen([sys.executable, str(worker)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]

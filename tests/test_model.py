@@ -1,17 +1,12 @@
 """Tests for model.py, each against an independent computation: the full [B, L, V] log-softmax,
 an unpadded copy of a padded row, plain (unsharded) PyTorch for FSDP2, a transformers reload."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import model as M
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +34,7 @@ def naive_logprobs(m, ids, mask, P, temperature=1.0):
     return logp.gather(-1, ids[:, P:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@pytest.mark.slow  # the 135M model on the CPU
 def test_smollm2_generates(smollm2_dir):
     tok = M.load_tokenizer(smollm2_dir)
     lm = M.load_causal_lm(smollm2_dir).eval()  # fp32: faster than bf16 on CPUs without AMX
@@ -204,13 +200,8 @@ def test_check_model_decides_without_downloading(tmp_path, monkeypatch, capsys):
         assert err.startswith(f"error: --critic-model {bad}: not a Hugging Face model directory"), err
 
 
-def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if torch.cuda.device_count() < 2:  # one rank per GPU needs 2 GPUs: else both ranks on CPU with gloo
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(REPO / "tests" / "_fsdp_worker.py"), tiny_model_dir, str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path, torchrun, two_rank_env):
+    proc = torchrun("tests/_fsdp_worker.py", tiny_model_dir, tmp_path, env=two_rank_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     for kind in ("policy", "critic"):

@@ -3,27 +3,16 @@ shared filesystem. Every test here starts 2 ranks under torchrun on gloo. With v
 anywhere; with its CUDA build 2 ranks need 2 GPUs (vLLM cannot be forced onto the CPU there): the vLLM ones
 are skipped otherwise (conftest.vllm_two_rank_env)."""
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo, CPU tensors
+from conftest import ROOT, run_script
+
 METRICS = ["reward/mean", "acc/mean", "response_length/mean", "turns/mean", "interventions/mean"]
 VAL_METRICS = ["val/acc", "val/response_length", "val/turns"]
 
 
-def torchrun(script, *args, env, timeout, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path, vllm_two_rank_env):
+def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
     """Rank 0 calls generate once, rank 1 twice, then both meet at a barrier (with the old vLLM DP group
     over all ranks, rank 1's second call never returned)."""
     env = vllm_two_rank_env
@@ -33,7 +22,7 @@ def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path
     assert [len(r["calls_s"]) for r in res] == [1, 2] and all("barrier_s" in r for r in res), res
 
 
-def test_engine_before_process_group_fails_clearly(tiny_model_dir, tmp_path, vllm_two_rank_env):
+def test_engine_before_process_group_fails_clearly(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
     """vLLM would call init_process_group(world_size=1, rank=RANK) itself: gloo's 'rank < size' on rank 1."""
     env = vllm_two_rank_env
     proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "before-pg", tmp_path, env=env, timeout=300)
@@ -58,13 +47,13 @@ dist.destroy_process_group()
 """
 
 
-def test_out_must_be_shared_by_all_ranks(tmp_path):
+def test_out_must_be_shared_by_all_ranks(tmp_path, torchrun):
     worker = tmp_path / "worker.py"
     worker.write_text(SHARED_OUT_WORKER.format(root=str(ROOT)))
-    proc = torchrun(worker, tmp_path / "out", env=CPU_ENV, timeout=120)
+    proc = torchrun(worker, tmp_path / "out", timeout=120)
     assert proc.returncode == 0 and "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stderr[-3000:]
     assert not [p for p in (tmp_path / "out").iterdir()], "the token file was left behind"
-    proc = torchrun(worker, tmp_path / "a", tmp_path / "b", env=CPU_ENV, timeout=120)
+    proc = torchrun(worker, tmp_path / "a", tmp_path / "b", timeout=120)
     assert proc.returncode != 0 and "ok" not in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: --out")]
     assert len(errors) == 2 and "shared" in errors[0], proc.stderr[-3000:]  # one line on every rank
@@ -79,18 +68,16 @@ def uneven_args(model_dir, out):
             "--gpu-memory-utilization", "0.2", "--val-before-train", "--test-freq", "1"]
 
 
-def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_two_rank_env):
+@pytest.mark.timeout(1300)  # two runs of up to 600 s each
+def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
     """The real train.py on 2 ranks, scripted so that every rank-0 trajectory answers in its first turn and every
     rank-1 trajectory takes all 3 turns (and validation shards of 2 and 1 prompts): it finishes, and every logged
     rollout and validation metric equals a 1-rank run over the same data (tests/_uneven_train_worker.py)."""
     env = vllm_two_rank_env
     worker = ROOT / "tests" / "_uneven_train_worker.py"
-    t0 = time.time()
     two = torchrun(worker, *uneven_args(tiny_model_dir, tmp_path / "two"), env=env, timeout=600)
-    seconds = time.time() - t0
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
-    one = subprocess.run([sys.executable, str(worker), *uneven_args(tiny_model_dir, tmp_path / "one")], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    one = run_script(worker, *uneven_args(tiny_model_dir, tmp_path / "one"), env=env, timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
     rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "two")}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
@@ -105,5 +92,3 @@ def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_tw
     # rank 0 made one engine call per rollout (2 steps + 3 validations), rank 1 three
     calls = [json.loads((tmp_path / "two" / f"calls_rank{r}.json").read_text())["calls"] for r in range(2)]
     assert calls == [5, 15], calls
-    print(f"2-rank uneven run: {seconds:.0f}s, step times "
-          f"{[round(r['time/step'], 1) for r in rows['two'][1:]]}s", file=sys.stderr)

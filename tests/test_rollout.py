@@ -299,6 +299,7 @@ def run_cli(*args):
     return run_script("rollout.py", *args)
 
 
+@pytest.mark.slow  # a rollout.py run
 def test_cli_writes_jsonl(tiny_model_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
