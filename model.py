@@ -8,8 +8,6 @@ model directory, a training checkpoint or a hub id (org/name); `resolve_model` t
 what transformers and vLLM load.
 """
 import argparse
-import contextlib
-import copy
 import os
 import re
 import resource
@@ -324,6 +322,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, response_start):
+        """V(state before response token t) for t < R, read at position response_start-1+t -> [B, R]: the same
+        alignment as token_logprobs (position p's hidden state sees tokens <= p, so the value for response
+        token t is computed where that token's log-prob is predicted)."""
         # One forward through the root module, so FSDP2 unshards the head together with the rest.
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids_from_mask(attention_mask), use_cache=False)
@@ -343,15 +344,6 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
     if head_file.exists():
         critic.value_head.load_state_dict(load_file(head_file))
     return critic
-
-
-def values(critic, input_ids, attention_mask, response_start):
-    """V(state before response token t) for t < R: read at position response_start-1+t, [B, R].
-
-    Same alignment as token_logprobs: position p's hidden state sees tokens <= p, so the
-    value for response token t is computed where that token's log-prob is predicted.
-    """
-    return critic(input_ids, attention_mask, response_start)
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -416,172 +408,11 @@ def token_logprobs(model, input_ids, attention_mask, response_start, temperature
     return (logp, torch.cat(entropies).view(B, R)) if with_entropy else logp
 
 
-# ----------------------------------------------------------------------------- distributed
-
-def init_distributed(timeout=None):
-    """(rank, world_size, local_rank, device). Under torchrun: one process group over all ranks
-    (gloo for CPU tensors, nccl for CUDA). Without torchrun: a 1-rank group in an in-process
-    store, so shard()/full_state_dict() work the same way in a plain `python train.py`.
-    timeout: seconds any collective may wait (NCCL's watchdog and gloo's); ranks wait for the slowest
-    rank's rollout at the first collective after it, so it must outlast that (None: torch's default)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # gloo also serves offloaded params
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return rank, world, local, device
-
-
-def _rank():
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
+# ----------------------------------------------------------------------------- system
 
 def peak_rss_gb():
     """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _decoder_layers(model):
-    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
-    return backbone.layers
-
-
-def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):
-    """FSDP2 in place: each decoder layer is one unit, the root (embeddings, norm, head; tied
-    weights are one parameter, so they share the root unit) is another. mixed_precision=bf16:
-    bf16 compute, fp32 gradient reduction; offload: parameters/grads/optimizer state on CPU.
-    The root keeps FSDP's default of staying unsharded after forward: token_logprobs reads the
-    head weight after the root forward and relies on that."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    kwargs = {"mesh": mesh}
-    if mixed_precision is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    if grad_checkpointing:  # HF recomputes each decoder layer in backward (only while model.train())
-        backbone = model.backbone if isinstance(model, ValueModel) else model
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in _decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-# ----------------------------------------------------------------------------- export
-
-def full_state_dict(model):
-    """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()
-    is a collective: every rank must iterate). FSDP2 keeps the HF names. Tied weights appear once, under
-    their first name (embed_tokens)."""
-    from torch.distributed.tensor import DTensor
-
-    persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
-                  for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
-    for name, tensor in [*model.named_parameters(), *persistent]:
-        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
-
-
-def _gather_to_cpu(model, dtype):
-    """{HF name: full CPU tensor} on rank 0, {} on the others; a collective, so every rank calls it.
-    dtype: cast floating tensors to it (None keeps theirs). Tied weights stay one tensor under both
-    names, which tells save_pretrained to write it once."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not state:
-        return state
-    names = {}  # id(parameter) -> its names; a tied weight has several
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for first, *others in names.values():
-        for name in others:
-            state[name] = state[first]
-    cast = {}  # id(tensor) -> its cast copy; replaced in place, so the fp32 copy of each is freed in turn
-    for name, t in state.items():
-        if dtype is not None and t.is_floating_point():
-            state[name] = cast.setdefault(id(t), t.to(dtype))
-    return state
-
-
-@contextlib.contextmanager
-def _atomic_dir(out_dir):
-    """Rank 0 fills a temp directory beside out_dir (the others get None), which then replaces out_dir:
-    a half-written model never looks complete. Every rank waits until it is in place."""
-    import shutil
-
-    import torch.distributed as dist
-
-    out_dir, tmp = Path(out_dir), None
-    if _rank() == 0:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
-    try:
-        yield tmp
-        if tmp is not None and out_dir.exists():  # os.replace cannot replace a non-empty directory: move it aside
-            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old"))
-            os.replace(out_dir, old / "x")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        elif tmp is not None:
-            os.replace(tmp, out_dir)
-    finally:
-        if tmp is not None and tmp.exists():  # failed half-way: leave nothing behind
-            shutil.rmtree(tmp)
-    if dist.is_initialized():
-        dist.barrier()  # nobody reads the directory before it is complete
-
-
-def _save_pretrained(module, tmp, state, dtype, max_shard_size):
-    """module.save_pretrained with a gathered state dict; config.json records the saved weights' dtype
-    (save_pretrained records the parameters', e.g. the fp32 master weights)."""
-    module.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
-    if dtype is not None:
-        config = copy.deepcopy(module.config)
-        config.dtype = dtype
-        config.save_pretrained(tmp)
-
-
-def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB"):
-    """A causal LM directory that transformers and vLLM load, written by save_pretrained: safetensors
-    shards of at most max_shard_size (model.safetensors when one is enough, else model-0000k-of-0000n
-    .safetensors and model.safetensors.index.json), config, generation config, tokenizer. Every rank
-    calls it (the gather is a collective); rank 0 writes. Tied head: only embed_tokens is written and
-    config.tie_word_embeddings tells loaders to tie."""
-    state = _gather_to_cpu(model, dtype)
-    with _atomic_dir(out_dir) as tmp:
-        if tmp is not None:
-            _save_pretrained(model, tmp, state, dtype, max_shard_size)
-            tokenizer.save_pretrained(tmp)
-
-
-def save_critic(critic, out_dir, tokenizer=None, dtype=None, max_shard_size="5GB"):
-    """The backbone as its own save_pretrained directory (AutoModel and AutoModelForCausalLM both load it)
-    + value_head.safetensors; load_critic reads both. dtype=None keeps the parameters' own dtype (exact
-    resume). Every rank calls it; rank 0 writes."""
-    from safetensors.torch import save_file
-
-    state = _gather_to_cpu(critic, dtype)
-    head = {k[len("value_head."):]: state.pop(k) for k in list(state) if k.startswith("value_head.")}
-    backbone = {k[len("backbone."):]: t for k, t in state.items()}
-    with _atomic_dir(out_dir) as tmp:
-        if tmp is not None:
-            _save_pretrained(critic.backbone, tmp, backbone, dtype, max_shard_size)
-            save_file(head, tmp / VALUE_HEAD_FILE, metadata={"format": "pt"})
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
 
 
 def main():

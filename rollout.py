@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from model import ArgumentParser, choose_dtype, die, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs, resolve_model
+from data import write_atomic
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
 INTERVENTIONS = {
@@ -215,7 +216,7 @@ class VLLMEngine:
             self._empty_cache()
 
     def sync_weights(self, named_tensors):
-        """Load full (name, tensor) pairs in HF checkpoint names, e.g. model.full_state_dict(...) (a generator:
+        """Load full (name, tensor) pairs in HF checkpoint names, e.g. parallel.full_state_dict(...) (a generator:
         each full tensor is gathered, loaded and dropped in turn). A sleeping engine is woken in the order that
         fits in memory (as TRL and veRL do): empty PyTorch's cache, wake the weights, load them, empty the cache
         again (the gathered tensors), then wake the KV cache; the prefix cache is reset (old weights' KV).
@@ -562,16 +563,6 @@ def summarize(rollout, seconds):
                 finished=round(sum(t["finished"] for t in rollout) / B, 3))
 
 
-def write_jsonl(rows, path):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-
-
 def sampling_flags(**defaults):
     """The sampling and intervention flags of train.py, rollout.py and eval.py, defined once (an argparse
     parent): one name, one meaning and one check (check_sampling_args) in every CLI. defaults: the CLI's own
@@ -682,7 +673,8 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     for t in rollout:
         t["id"] = records[t["prompt_index"]]["id"]
-    write_jsonl(rollout, args.out)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, "".join(json.dumps(t) + "\n" for t in rollout))
     summary = dict(summarize(rollout, seconds), prompts_truncated=n_cut, out=args.out)
     print(json.dumps(summary))
 

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -39,12 +38,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data as data_lib
+from data import write_atomic
 import ppo
 import reward
 import rollout
-from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, full_state_dict,
-                   init_distributed, load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model,
-                   save_critic, save_hf, shard, token_logprobs)
+from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, load_causal_lm,
+                   load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
+from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, forward_pass, full_state_dict, init_distributed,
+                      load_checkpoint, micro_batches, micro_slices, padding_counts, save_checkpoint, shard)
 
 
 def parse_args(argv=None):
@@ -215,7 +216,8 @@ def main(argv=None):
         stop = bool(all_reduce_sum([float(bool(stop_requested))], run.device)[0])
         if (args.save_freq and step % args.save_freq == 0) or step == run.total_steps or stop:
             t0 = time.time()
-            save_checkpoint(args, run, step)
+            save_checkpoint(run.out, step, models_and_optimisers(run), run.tokenizer, trainer_state(args, run, step),
+                            args.keep_last)
             if run.master:
                 print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s)", flush=True)
         if stop:
@@ -575,18 +577,28 @@ def resume(args, run):
     if not (run.out / "latest").exists():
         return 0
     ckpt = (run.out / "latest").resolve()
-    state = load_checkpoint(ckpt, run)
+    state = load_checkpoint(ckpt, models_and_optimisers(run))
+    for sched, sd in zip(run.schedulers, state["schedulers"]):
+        sched.load_state_dict(sd)
     run.kl_ctl.load_state_dict(state["kl_ctl"])
     step = state["step"]
     metrics_file = run.out / "metrics.jsonl"
     if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
-        rows = [line for line in open(metrics_file) if json.loads(line)["step"] <= step]
-        (run.out / "metrics.jsonl.tmp").write_text("".join(rows))
-        os.replace(run.out / "metrics.jsonl.tmp", metrics_file)
+        write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
     run.engine.sync_weights(full_state_dict(run.actor))
     if run.master:
         print(f"[resume] {ckpt} at step {step}", flush=True)
     return step
+
+
+def models_and_optimisers(run):
+    """What a checkpoint holds besides the trainer state: {"actor": (model, optimiser), "critic": ...}."""
+    return {"actor": (run.actor, run.actor_opt), **({"critic": (run.critic, run.critic_opt)} if run.critic is not None else {})}
+
+
+def trainer_state(args, run, step):
+    return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
+            "schedulers": [s.state_dict() for s in run.schedulers]}
 
 
 @contextmanager
@@ -596,157 +608,7 @@ def timed(timer, name):
     timer[name] = time.time() - t0
 
 
-# ----------------------------------------------------------------------------- distributed and batch plumbing
-
-def all_reduce_sum(values_list, device):
-    t = torch.tensor(values_list, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_dict(d, device):
-    """{name: local sum} -> {name: sum over ranks}; every rank passes the same keys."""
-    keys = sorted(d)
-    return dict(zip(keys, all_reduce_sum([float(d[k]) for k in keys], device)))
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def check_shared_out(out, rank, world, device):
-    """--out must be one directory for every rank (a filesystem shared by all nodes): rank 0 writes a token
-    file there, every rank must read it back; otherwise every rank stops with one line."""
-    if world == 1:
-        return
-    token = all_reduce_sum([float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0], device)[0]
-    path = out / f".shared-check-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-    if rank == 0:
-        path.write_text(str(int(token)))
-    barrier()
-    try:
-        seen = path.read_text() == str(int(token))
-    except OSError:
-        seen = False
-    missing = all_reduce_sum([0.0 if seen else 1.0], device)[0]
-    if rank == 0:
-        path.unlink(missing_ok=True)
-    if missing:
-        die(f"--out {out}: {int(missing)} of {world} ranks do not see the file rank 0 wrote there; --out must be "
-            f"on a filesystem shared by every node (checkpoints and metrics are written by rank 0 and read by all)")
-
-
-def micro_slices(batch, rows, device):
-    """Cut a micro-batch of rows, drop the columns that are padding in all of them, move to device."""
-    prompt_mask = batch["prompt_mask"][rows]                  # [b, P]
-    response_mask = batch["response_mask"][rows]              # [b, R]
-    first = int(prompt_mask.any(0).float().argmax())          # left padding shared by every row
-    last = max(int(response_mask.sum(1).max()), 1)            # right padding shared by every row
-    out = {k: v[rows][:, :last] for k, v in batch.items()
-           if torch.is_tensor(v) and v.dim() == 2 and k not in ("prompt_ids", "prompt_mask")}
-    out["input_ids"] = torch.cat([batch["prompt_ids"][rows][:, first:], batch["response_ids"][rows][:, :last]], 1)
-    out["attention_mask"] = torch.cat([prompt_mask[:, first:], response_mask[:, :last]], 1)
-    out = {k: v.to(device) for k, v in out.items()}
-    out["response_start"] = batch["prompt_ids"].shape[1] - first
-    return out
-
-
-def micro_batches(batch, rows, size):
-    """Split rows into micro-batches of rows with similar response lengths: micro_slices then drops only the
-    columns that are padding in all of a micro-batch's rows. About half the padding of rows taken in order,
-    the same number of micro-batches (FSDP needs the same number of calls on every rank)."""
-    rows = rows[torch.argsort(batch["response_mask"][rows].sum(1), stable=True)]
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
-
-
-def padding_counts(batch, groups):
-    """{"padding", "computed"}: tokens micro_slices computes for these micro-batches, and how many are padding."""
-    computed = real = 0
-    for rows in groups:
-        prompt_mask, response_mask = batch["prompt_mask"][rows], batch["response_mask"][rows]
-        width = prompt_mask.shape[1] - int(prompt_mask.any(0).float().argmax()) + max(int(response_mask.sum(1).max()), 1)
-        computed += len(rows) * width
-        real += int(prompt_mask.sum() + response_mask.sum())
-    return {"padding": computed - real, "computed": computed}
-
-
-def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
-    """Run fn over micro-batches (micro_batches) without gradients; return [B, R] on the batch's full width,
-    in batch order. desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
-    B, R = batch["response_ids"].shape
-    out = torch.zeros(B, R)
-    for rows in tqdm(micro_batches(batch, torch.arange(B), micro_size), desc=desc, disable=desc is None,
-                     leave=False, unit="micro"):
-        with torch.no_grad(), autocast():
-            res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
-        out[rows, :res.shape[1]] = res.cpu()
-    return out
-
-
-
-# ----------------------------------------------------------------------------- checkpoints and logs
-
-def save_checkpoint(args, run, step):
-    """Write OUT/step_N via a temporary directory and rename it; then point OUT/latest at it (atomic: latest
-    always names a complete checkpoint). Holds the HF export of the actor (and critic), the sharded FSDP2
-    state of models and optimisers, every rank's RNG state and the trainer state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    out = run.out
-    final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
-    if run.master:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    save_hf(run.actor, run.tokenizer, tmp / "actor")
-    sharded = {"actor": dict(zip(("model", "optim"), get_state_dict(run.actor, run.actor_opt)))}
-    if run.critic is not None:
-        sharded["critic"] = dict(zip(("model", "optim"), get_state_dict(run.critic, run.critic_opt)))
-        save_critic(run.critic, tmp / "critic")
-    dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               tmp / f"rng_rank{run.rank}.pt")
-    barrier()
-    if run.master:
-        state = {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
-                 "step": step, "schedulers": [s.state_dict() for s in run.schedulers]}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        os.replace(tmp, final)
-        link = out / "latest.tmp"
-        link.unlink(missing_ok=True)
-        link.symlink_to(final.name)
-        os.replace(link, out / "latest")
-        if args.keep_last:
-            for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-args.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def load_checkpoint(path, run):
-    """Restore what save_checkpoint wrote into run's models, optimisers, schedulers and RNGs -> trainer state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    pairs = {"actor": (run.actor, run.actor_opt)}
-    if run.critic is not None:
-        pairs["critic"] = (run.critic, run.critic_opt)
-    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in pairs.items()}
-    dcp.load(sharded, checkpoint_id=str(path / "sharded"))
-    for name, (m, o) in pairs.items():
-        set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"])
-    state = json.loads((path / "trainer_state.json").read_text())
-    for sched, sd in zip(run.schedulers, state["schedulers"]):
-        sched.load_state_dict(sd)
-    rng = torch.load(path / f"rng_rank{run.rank}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    return state
-
+# ----------------------------------------------------------------------------- logs
 
 def make_logger(args, out):
     """Append one JSON object per step to OUT/metrics.jsonl (and wandb / tensorboard when asked)."""

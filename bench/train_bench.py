@@ -3,7 +3,7 @@
   1. update: train.ppo_update (FSDP2-wrapped actor, micro_slices padding, micro-batching, chunked head under
      checkpointing, entropy, clip + AdamW step) over a plain forward + backward of the same tokens on the bare
      HF model (one unpadded sequence at a time, logits of the response positions, log-prob + entropy);
-  2. log-probs: train.forward_pass with model.token_logprobs twice (reference, old) over two plain no-grad
+  2. log-probs: parallel.forward_pass with model.token_logprobs twice (reference, old) over two plain no-grad
      forwards of the same tokens on the bare model (one unpadded sequence at a time);
   plus the padding waste of each phase (share of computed tokens that are padding, micro-batched as train.py
   does it), the dtype and the CPU's bf16 flags.
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import parallel  # noqa: E402
 import train  # noqa: E402
 
 
@@ -83,10 +84,10 @@ def plain_pass(model, trajs, autocast, grad, temperature):
                 (token.sum() + 0.001 * entropy.sum()).backward()
 
 
-SLICES = []  # (computed, real) tokens of every micro-batch train.micro_slices cut
+SLICES = []  # (computed, real) tokens of every micro-batch parallel.micro_slices cut
 
 
-def _recording_micro_slices(batch, rows, device, _cut=train.micro_slices):
+def _recording_micro_slices(batch, rows, device, _cut=parallel.micro_slices):
     out = _cut(batch, rows, device)
     SLICES.append((out["attention_mask"].numel(), int(out["attention_mask"].sum())))
     return out
@@ -108,7 +109,7 @@ def main():
     args = p.parse_args()
     M.quiet_logs()
     t_start = time.time()
-    rank, world, _, device = M.init_distributed()
+    rank, world, _, device = parallel.init_distributed()
     dtype, why = M.choose_dtype(args.dtype, device)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bfloat16" else nullcontext
     path = M.resolve_model(args.model)
@@ -123,8 +124,8 @@ def main():
 
     tokenizer = M.load_tokenizer(path)
     bare = M.load_causal_lm(path).to(device)
-    actor = M.shard(M.load_causal_lm(path).to(device))
-    ref = M.shard(M.load_causal_lm(path).to(device))
+    actor = parallel.shard(M.load_causal_lm(path).to(device))
+    ref = parallel.shard(M.load_causal_lm(path).to(device))
     ref.requires_grad_(False)
     opt = train.make_optimizer(actor, targs.actor_lr, targs.weight_decay)
     trajs = rollout_like(args.trajectories, bare.config.vocab_size, args.seed)
@@ -140,18 +141,18 @@ def main():
     lp = lambda m, x: M.token_logprobs(m, x["input_ids"], x["attention_mask"], x["response_start"],  # noqa: E731
                                        temperature=args.temperature)
     for m in (ref, actor):
-        train.forward_pass(lambda x: lp(m, x), wbatch, mb, autocast, device)
+        parallel.forward_pass(lambda x: lp(m, x), wbatch, mb, autocast, device)
     plain_pass(bare, [trajs[i] for i in warm], autocast, grad=False, temperature=args.temperature)
     plain_pass(bare, [trajs[i] for i in warm], autocast, grad=True, temperature=args.temperature)
     bare.zero_grad(set_to_none=True)
 
     say(f"warm-up done ({time.time() - t_start:.0f}s)")
-    # ---- 2. reference + old log-probs: train.forward_pass twice vs two plain no-grad forwards
-    train.micro_slices = _recording_micro_slices  # padding as train.py cuts it (forward_pass, ppo_update)
+    # ---- 2. reference + old log-probs: parallel.forward_pass twice vs two plain no-grad forwards
+    parallel.micro_slices = train.micro_slices = _recording_micro_slices  # padding as cut (forward_pass, ppo_update)
     SLICES.clear()
     t0 = time.perf_counter()
-    ref_lp = train.forward_pass(lambda x: lp(ref, x), batch, mb, autocast, device)
-    old_lp = train.forward_pass(lambda x: lp(actor, x), batch, mb, autocast, device)
+    ref_lp = parallel.forward_pass(lambda x: lp(ref, x), batch, mb, autocast, device)
+    old_lp = parallel.forward_pass(lambda x: lp(actor, x), batch, mb, autocast, device)
     t_lp = time.perf_counter() - t0
     lp_slices = list(SLICES)
     t0 = time.perf_counter()

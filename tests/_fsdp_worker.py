@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import parallel  # noqa: E402
 
 
 def batch(world, rows=2, prompt=6, response=10, seed=1):
@@ -33,7 +34,7 @@ def policy_loss(m, ids, mask, start):
 
 def value_loss(c, ids, mask, start):
     resp = mask[:, start:].float()
-    return (((M.values(c, ids, mask, start) - 1.0) ** 2) * resp).sum() / resp.sum()
+    return (((c(ids, mask, start) - 1.0) ** 2) * resp).sum() / resp.sum()
 
 
 def step(m, loss_fn, slices):
@@ -53,7 +54,7 @@ def max_diff(a, b):
 
 def main():
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
-    rank, world, _, device = M.init_distributed()  # CPU/gloo, or this rank's GPU when the test has 2
+    rank, world, _, device = parallel.init_distributed()  # CPU/gloo, or this rank's GPU when the test has 2
     torch.manual_seed(0)
     ids, mask, start = (t.to(device) if torch.is_tensor(t) else t for t in batch(world))
     rows = ids.shape[0] // world
@@ -68,11 +69,11 @@ def main():
                 torch.nn.init.normal_(m.value_head.weight, std=0.1, generator=torch.Generator(device).manual_seed(3))
         before = {n: p.detach().clone() for n, p in plain.named_parameters()}
         plain.train(), sharded.train()
-        M.shard(sharded, grad_checkpointing=True)
+        parallel.shard(sharded, grad_checkpointing=True)
         g_plain = step(plain, loss_fn, all_slices)
         g_sharded = step(sharded, loss_fn, mine)
         p_plain = dict(plain.named_parameters())
-        p_sharded = dict(M.full_state_dict(sharded))
+        p_sharded = dict(parallel.full_state_dict(sharded))
         res[f"{kind}_names_equal"] = sorted(p_sharded) == sorted(n for n, _ in plain.named_parameters())
         res[f"{kind}_grad_diff"] = max_diff(g_sharded, g_plain)
         res[f"{kind}_grad_max"] = max(g.abs().max().item() for g in g_plain.values())
@@ -83,12 +84,12 @@ def main():
         sharded.eval()
         with torch.no_grad():
             if kind == "policy":
-                M.save_hf(sharded, M.load_tokenizer(model_dir), out_dir / kind, dtype=torch.float32)
+                parallel.save_hf(sharded, M.load_tokenizer(model_dir), out_dir / kind, dtype=torch.float32)
                 out = M.token_logprobs(sharded, ids, mask, start)
                 want = sharded(input_ids=ids, attention_mask=mask).logits
             else:
-                M.save_critic(sharded, out_dir / kind)
-                out = M.values(sharded, ids, mask, start)
+                parallel.save_critic(sharded, out_dir / kind)
+                out = sharded(ids, mask, start)
         if rank == 0:
             with torch.no_grad():
                 if kind == "policy":
@@ -100,7 +101,7 @@ def main():
                     res["reload_logprobs_diff"] = (M.token_logprobs(reloaded, ids, mask, start) - out).abs().max().item()
                 else:
                     reloaded = M.load_critic(str(out_dir / kind)).to(device).eval()
-                    res["reload_values_diff"] = (M.values(reloaded, ids, mask, start) - out).abs().max().item()
+                    res["reload_values_diff"] = (reloaded(ids, mask, start) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
     dist.destroy_process_group()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import parallel  # noqa: E402
 import train  # noqa: E402
 
 
@@ -33,17 +34,17 @@ def global_batch(model):
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
-    rank, world, _, device = M.init_distributed()
+    rank, world, _, device = parallel.init_distributed()
     plain = M.load_causal_lm(model_dir)
     batch = global_batch(plain)
     mine = {k: v[rank::world] for k, v in batch.items()}
-    actor = M.shard(M.load_causal_lm(model_dir))
+    actor = parallel.shard(M.load_causal_lm(model_dir))
     args = SimpleNamespace(micro_batch_size=1, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
                            entropy_coef=0.0, kl_loss_coef=0.0, temperature=1.0, grad_clip=1e9)
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
     stats, skipped = train.ppo_update(actor, None, opt, None, mine, torch.arange(len(mine["action_mask"])), args,
                                       train.nullcontext, device)
-    params = {n: t.clone() for n, t in M.full_state_dict(actor)}
+    params = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
     if rank == 0:
         torch.save({"params": params, "skipped": skipped, "stats": stats}, out)
     dist.destroy_process_group()

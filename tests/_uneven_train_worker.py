@@ -47,14 +47,15 @@ class ScriptedEngine:
         budgets = rollout._per_prompt(max_tokens, len(prompt_token_ids))
         filler = tok.encode(" so", add_special_tokens=False)[0]
         out = []
-        for row, budget, comps in zip(prompt_token_ids, budgets, real):
+        for row, budget in zip(prompt_token_ids, budgets):
             prompt = self._prompt(row)
             if self.keys[prompt] == 0:
                 ids = tok.encode(f"\\boxed{{{self.gold.get(prompt, '1')}}}", add_special_tokens=False) + [eos]
                 assert len(ids) <= budget, (len(ids), budget)
-                out.append([Completion(ids, [-1.0] * len(ids), True) for _ in comps])
+                out.append(Completion(ids, [-1.0] * len(ids), True))
             else:
-                out.append([Completion([filler] * budget, [-1.0] * budget, False) for _ in comps])
+                out.append(Completion([filler] * budget, [-1.0] * budget, False))
+        assert len(real) == len(out)
         return out
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import model as M
+import parallel
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +111,10 @@ def test_values_alignment(tiny_model_dir):
     critic = M.load_critic(tiny_model_dir).eval()
     ids, mask, P = make_batch()
     with torch.no_grad():
-        assert M.values(critic, ids, mask, P).abs().max() == 0  # zero-initialised head
+        assert critic(ids, mask, P).abs().max() == 0  # zero-initialised head
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
         critic.value_head.bias.fill_(0.25)
-        v = M.values(critic, ids, mask, P)
+        v = critic(ids, mask, P)
         assert v.shape == (3, 9) and v.dtype == torch.float32
         # independent: the unpadded row through the backbone, read at position P-1+t for token t
         for row, pad in ((0, 3), (1, 1)):
@@ -124,7 +125,7 @@ def test_values_alignment(tiny_model_dir):
         t = 4
         changed = ids.clone()
         changed[:, P + t] = (changed[:, P + t] + 1) % 5000
-        v2 = M.values(critic, changed, mask, P)
+        v2 = critic(changed, mask, P)
     assert torch.equal(v2[:, :t + 1], v[:, :t + 1])
     assert (v2[:, t + 1] - v[:, t + 1]).abs().min() > 0
 
@@ -134,11 +135,11 @@ def test_critic_save_load_round_trip(tiny_model_dir, tmp_path):
     with torch.no_grad():
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
         critic.backbone.norm.weight.mul_(1.5)  # the backbone must round-trip too, not only the head
-    M.save_critic(critic, tmp_path / "critic", M.load_tokenizer(tiny_model_dir))
+    parallel.save_critic(critic, tmp_path / "critic", M.load_tokenizer(tiny_model_dir))
     again = M.load_critic(str(tmp_path / "critic"))
     ids, mask, P = make_batch()
     with torch.no_grad():
-        torch.testing.assert_close(M.values(again, ids, mask, P), M.values(critic, ids, mask, P), atol=0, rtol=0)
+        torch.testing.assert_close(again(ids, mask, P), critic(ids, mask, P), atol=0, rtol=0)
     # a critic directory is also a causal LM directory (e.g. --critic-model of a later run)
     assert M.load_causal_lm(str(tmp_path / "critic")).config.vocab_size == critic.config.vocab_size
 
@@ -146,8 +147,8 @@ def test_critic_save_load_round_trip(tiny_model_dir, tmp_path):
 def test_save_hf_bf16_reloads_and_replaces(tiny, tiny_model_dir, tmp_path):
     tok = M.load_tokenizer(tiny_model_dir)
     out = tmp_path / "export"
-    M.save_hf(tiny, tok, out)
-    M.save_hf(tiny, tok, out)  # an existing directory is replaced, not merged or refused
+    parallel.save_hf(tiny, tok, out)
+    parallel.save_hf(tiny, tok, out)  # an existing directory is replaced, not merged or refused
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dirs left behind"
@@ -163,7 +164,7 @@ def test_save_hf_shards_with_index_and_reloads_equal(tiny, tiny_model_dir, tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "export"
-    M.save_hf(tiny, M.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
+    parallel.save_hf(tiny, M.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

@@ -99,13 +99,13 @@ def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir)
 CRASH_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})
-import train
-real_save_hf = train.save_hf
+import parallel, train
+real_save_hf = parallel.save_hf
 def save_hf_then_die(model, tokenizer, path, *a, **k):
     real_save_hf(model, tokenizer, path, *a, **k)
     if "step_000002" in str(path):
         os._exit(9)  # the process dies half-way through writing checkpoint 2
-train.save_hf = save_hf_then_die
+parallel.save_hf = save_hf_then_die  # what save_checkpoint calls
 train.main(sys.argv[1:])
 """
 
@@ -163,3 +163,25 @@ def test_nonfinite_minibatch_is_skipped_on_every_rank_and_training_goes_on(tiny_
     assert [r["update/skipped"] for r in rows] == [1, 0]
     assert rows[0]["loss/vf"] is not None and rows[0]["actor/grad_norm"] is not None  # the other mini-batch's stats
     assert proc.stderr.count("update skipped") == 2  # both ranks skipped the same step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adv", ["grpo", "rloo"])
+def test_critic_free_training_and_validation(adv, tiny_model_dir, tmp_path):
+    """--adv grpo / rloo end to end in one process (transformers engine): no critic anywhere, the KL as a loss
+    term (grpo, which then takes pi_old from the update's forward) or in the reward (rloo), greedy validation
+    before and after."""
+    out = tmp_path / adv
+    proc = run_script("train.py", *train_args(tiny_model_dir, out, 1, "--adv", adv, "--engine", "hf",
+                                              "--mini-batch-size", "8", "--val-data", "arith_test", "--val-limit", "3",
+                                              "--val-before-train", "--test-freq", "1"),
+                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["val/acc"] is not None for r in rows)
+    step = rows[1]
+    assert step["update/skipped"] == 0 and step["actor/grad_norm"] > 0
+    assert not [k for k in step if k.startswith("critic/") or k == "loss/vf"]
+    assert ("loss/kl" in step) == (adv == "grpo")  # --kl-loss-coef defaults to 0.001 for grpo only
+    assert ("taken from the update's forward" in proc.stdout) == (adv == "grpo")
+    assert (out / "step_000001" / "actor" / "config.json").exists() and not (out / "step_000001" / "critic").exists()

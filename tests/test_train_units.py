@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import model as M
+import parallel
 import train
 
 
@@ -61,7 +62,7 @@ def test_grpo_advantages_ignore_the_kl():
 def one_rank_group():
     import torch.distributed as dist
 
-    M.init_distributed()
+    parallel.init_distributed()
     yield
     dist.destroy_process_group()
 
@@ -85,7 +86,7 @@ UPDATE_ARGS = dict(micro_batch_size=2, loss_agg="token-mean", clip_low=0.2, clip
 def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_rank_group, checkpointing):
     """--grad-checkpointing: each decoder layer runs forward twice per micro-batch (the recompute in
     backward), which only happens if the update puts the model in train mode; without it, once."""
-    actor = M.shard(M.load_causal_lm(tiny_model_dir), grad_checkpointing=checkpointing)
+    actor = parallel.shard(M.load_causal_lm(tiny_model_dir), grad_checkpointing=checkpointing)
     calls, mlp = [], actor.model.layers[0].mlp
     real_forward = mlp.forward  # counted on the instance: forward hooks do not fire in the recompute
     mlp.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
@@ -98,11 +99,11 @@ def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_
 
 
 def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model_dir, one_rank_group, monkeypatch):
-    actor = M.shard(M.load_causal_lm(tiny_model_dir))
-    critic = M.shard(M.load_critic(tiny_model_dir))
+    actor = parallel.shard(M.load_causal_lm(tiny_model_dir))
+    critic = parallel.shard(M.load_critic(tiny_model_dir))
     batch = update_batch(actor)
     batch.update(old_values=torch.zeros(4, 12), returns=torch.ones(4, 12))
-    before = {n: t.clone() for n, t in M.full_state_dict(actor)}
+    before = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
     real = train.ppo.policy_loss
     monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     a_opt, c_opt = torch.optim.AdamW(actor.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
@@ -110,7 +111,7 @@ def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model
                                       SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), train.nullcontext,
                                       torch.device("cpu"))
     assert skipped == 1 and "loss/vf" in stats and stats["critic/grad_norm"] > 0
-    assert all(torch.equal(t, before[n]) for n, t in M.full_state_dict(actor))  # the actor did not move
+    assert all(torch.equal(t, before[n]) for n, t in parallel.full_state_dict(actor))  # the actor did not move
 
 
 def test_token_mean_is_over_the_global_mini_batch(tiny_model_dir, tmp_path, torchrun):
@@ -119,7 +120,7 @@ def test_token_mean_is_over_the_global_mini_batch(tiny_model_dir, tmp_path, torc
         proc = torchrun("tests/_token_mean_worker.py", tiny_model_dir, tmp_path / out, nproc=nproc, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    base = dict(M.full_state_dict(M.load_causal_lm(tiny_model_dir)))
+    base = dict(parallel.full_state_dict(M.load_causal_lm(tiny_model_dir)))
     moved = max((one["params"][n] - base[n]).abs().max().item() for n in base)
     diff = max((one["params"][n] - two["params"][n]).abs().max().item() for n in base)
     assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
@@ -132,7 +133,7 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
     args = SimpleNamespace(**{**UPDATE_ARGS, "kl_kind": "k1"})
     params = []
     for reuse in (False, True):
-        actor = M.shard(M.load_causal_lm(tiny_model_dir))
+        actor = parallel.shard(M.load_causal_lm(tiny_model_dir))
         batch = update_batch(actor)
         batch["rollout_logprobs"] = torch.full_like(batch["advantages"], -9.0)
         ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
@@ -149,5 +150,5 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
         if reuse:  # the diagnostics the skipped pass would have given
             assert stats["kl/mean"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
             assert stats["rollout/logprob_gap"] == pytest.approx(float((old + 9.0).abs().mean()), abs=1e-4)
-        params.append({n: t.clone() for n, t in M.full_state_dict(actor)})
+        params.append({n: t.clone() for n, t in parallel.full_state_dict(actor)})
     assert max((params[0][n] - params[1][n]).abs().max().item() for n in params[0]) < 1e-5

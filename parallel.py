@@ -1,0 +1,329 @@
+"""Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, micro-batches,
+sharded checkpoints and the Hugging Face export.
+
+Plumbing only: the method lives in rollout.py (sampling), reward.py, ppo.py and train.py; this file makes it
+run on one rank or many. Every function that gathers or reduces is a collective: every rank calls it.
+"""
+import contextlib
+import copy
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from data import die
+from model import VALUE_HEAD_FILE, ValueModel
+
+
+# ----------------------------------------------------------------------------- process group and collectives
+
+def init_distributed(timeout=None):
+    """(rank, world_size, local_rank, device). Under torchrun: one process group over all ranks
+    (gloo for CPU tensors, nccl for CUDA). Without torchrun: a 1-rank group in an in-process
+    store, so shard()/full_state_dict() work the same way in a plain `python train.py`.
+    timeout: seconds any collective may wait (NCCL's watchdog and gloo's); ranks wait for the slowest
+    rank's rollout at the first collective after it, so it must outlast that (None: torch's default)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # gloo also serves offloaded params
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return rank, world, local, device
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _decoder_layers(model):
+    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
+    return backbone.layers
+
+
+def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):
+    """FSDP2 in place: each decoder layer is one unit, the root (embeddings, norm, head; tied
+    weights are one parameter, so they share the root unit) is another. mixed_precision=bf16:
+    bf16 compute, fp32 gradient reduction; offload: parameters/grads/optimizer state on CPU.
+    The root keeps FSDP's default of staying unsharded after forward: token_logprobs reads the
+    head weight after the root forward and relies on that."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if grad_checkpointing:  # HF recomputes each decoder layer in backward (only while model.train())
+        backbone = model.backbone if isinstance(model, ValueModel) else model
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def all_reduce_sum(values_list, device):
+    t = torch.tensor(values_list, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_dict(d, device):
+    """{name: local sum} -> {name: sum over ranks}; every rank passes the same keys."""
+    keys = sorted(d)
+    return dict(zip(keys, all_reduce_sum([float(d[k]) for k in keys], device)))
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def check_shared_out(out, rank, world, device):
+    """--out must be one directory for every rank (a filesystem shared by all nodes): rank 0 writes a token
+    file there, every rank must read it back; otherwise every rank stops with one line."""
+    if world == 1:
+        return
+    token = all_reduce_sum([float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0], device)[0]
+    path = out / f".shared-check-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    if rank == 0:
+        path.write_text(str(int(token)))
+    barrier()
+    try:
+        seen = path.read_text() == str(int(token))
+    except OSError:
+        seen = False
+    missing = all_reduce_sum([0.0 if seen else 1.0], device)[0]
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    if missing:
+        die(f"--out {out}: {int(missing)} of {world} ranks do not see the file rank 0 wrote there; --out must be "
+            f"on a filesystem shared by every node (checkpoints and metrics are written by rank 0 and read by all)")
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+def micro_slices(batch, rows, device):
+    """Cut a micro-batch of rows, drop the columns that are padding in all of them, move to device."""
+    prompt_mask = batch["prompt_mask"][rows]                  # [b, P]
+    response_mask = batch["response_mask"][rows]              # [b, R]
+    first = int(prompt_mask.any(0).float().argmax())          # left padding shared by every row
+    last = max(int(response_mask.sum(1).max()), 1)            # right padding shared by every row
+    out = {k: v[rows][:, :last] for k, v in batch.items()
+           if torch.is_tensor(v) and v.dim() == 2 and k not in ("prompt_ids", "prompt_mask")}
+    out["input_ids"] = torch.cat([batch["prompt_ids"][rows][:, first:], batch["response_ids"][rows][:, :last]], 1)
+    out["attention_mask"] = torch.cat([prompt_mask[:, first:], response_mask[:, :last]], 1)
+    out = {k: v.to(device) for k, v in out.items()}
+    out["response_start"] = batch["prompt_ids"].shape[1] - first
+    return out
+
+
+def micro_batches(batch, rows, size):
+    """Split rows into micro-batches of rows with similar response lengths: micro_slices then drops only the
+    columns that are padding in all of a micro-batch's rows. About half the padding of rows taken in order,
+    the same number of micro-batches (FSDP needs the same number of calls on every rank)."""
+    rows = rows[torch.argsort(batch["response_mask"][rows].sum(1), stable=True)]
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def padding_counts(batch, groups):
+    """{"padding", "computed"}: tokens micro_slices computes for these micro-batches, and how many are padding."""
+    computed = real = 0
+    for rows in groups:
+        prompt_mask, response_mask = batch["prompt_mask"][rows], batch["response_mask"][rows]
+        width = prompt_mask.shape[1] - int(prompt_mask.any(0).float().argmax()) + max(int(response_mask.sum(1).max()), 1)
+        computed += len(rows) * width
+        real += int(prompt_mask.sum() + response_mask.sum())
+    return {"padding": computed - real, "computed": computed}
+
+
+def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
+    """Run fn over micro-batches (micro_batches) without gradients; return [B, R] on the batch's full width,
+    in batch order. desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
+    B, R = batch["response_ids"].shape
+    out = torch.zeros(B, R)
+    for rows in tqdm(micro_batches(batch, torch.arange(B), micro_size), desc=desc, disable=desc is None,
+                     leave=False, unit="micro"):
+        with torch.no_grad(), autocast():
+            res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
+        out[rows, :res.shape[1]] = res.cpu()
+    return out
+
+
+
+
+# ----------------------------------------------------------------------------- checkpoints and export
+
+def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None):
+    """OUT/step_N: the HF export of the actor (and the critic), the sharded FSDP2 state of each model and its
+    optimiser, each rank's RNG state and trainer_state (JSON). Written to step_N.tmp and renamed, then OUT/latest
+    points at it: latest always names a complete checkpoint. models: {"actor": (model, optimiser), "critic": ...}.
+    Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    out, rank = Path(out), _rank()
+    final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    save_hf(models["actor"][0], tokenizer, tmp / "actor")
+    if "critic" in models:
+        save_critic(models["critic"][0], tmp / "critic")
+    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
+    dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               tmp / f"rng_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+        os.replace(tmp, final)
+        link = out / "latest.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)
+        os.replace(link, out / "latest")
+        if keep_last:
+            for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path, models):
+    """Restore what save_checkpoint wrote into the models and optimisers and this rank's RNGs -> trainer_state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
+    dcp.load(sharded, checkpoint_id=str(path / "sharded"))
+    for name, (m, o) in models.items():
+        set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"])
+    rng = torch.load(path / f"rng_rank{_rank()}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def full_state_dict(model):
+    """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()
+    is a collective: every rank must iterate). FSDP2 keeps the HF names. Tied weights appear once, under
+    their first name (embed_tokens)."""
+    from torch.distributed.tensor import DTensor
+
+    persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
+                  for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
+    for name, tensor in [*model.named_parameters(), *persistent]:
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _gather_to_cpu(model, dtype):
+    """{HF name: full CPU tensor} on rank 0, {} on the others; a collective, so every rank calls it.
+    dtype: cast floating tensors to it (None keeps theirs). Tied weights stay one tensor under both
+    names, which tells save_pretrained to write it once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:
+        return state
+    names = {}  # id(parameter) -> its names; a tied weight has several
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for first, *others in names.values():
+        for name in others:
+            state[name] = state[first]
+    cast = {}  # id(tensor) -> its cast copy; replaced in place, so the fp32 copy of each is freed in turn
+    for name, t in state.items():
+        if dtype is not None and t.is_floating_point():
+            state[name] = cast.setdefault(id(t), t.to(dtype))
+    return state
+
+
+@contextlib.contextmanager
+def _atomic_dir(out_dir):
+    """Rank 0 fills a temp directory beside out_dir (the others get None), which then replaces out_dir:
+    a half-written model never looks complete. Every rank waits until it is in place."""
+    import shutil
+
+    import torch.distributed as dist
+
+    out_dir, tmp = Path(out_dir), None
+    if _rank() == 0:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+    try:
+        yield tmp
+        if tmp is not None and out_dir.exists():  # os.replace cannot replace a non-empty directory: move it aside
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old"))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        elif tmp is not None:
+            os.replace(tmp, out_dir)
+    finally:
+        if tmp is not None and tmp.exists():  # failed half-way: leave nothing behind
+            shutil.rmtree(tmp)
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the directory before it is complete
+
+
+def _save_pretrained(module, tmp, state, dtype, max_shard_size):
+    """module.save_pretrained with a gathered state dict; config.json records the saved weights' dtype
+    (save_pretrained records the parameters', e.g. the fp32 master weights)."""
+    module.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
+    if dtype is not None:
+        config = copy.deepcopy(module.config)
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+
+
+def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB"):
+    """A causal LM directory that transformers and vLLM load, written by save_pretrained: safetensors
+    shards of at most max_shard_size (model.safetensors when one is enough, else model-0000k-of-0000n
+    .safetensors and model.safetensors.index.json), config, generation config, tokenizer. Every rank
+    calls it (the gather is a collective); rank 0 writes. Tied head: only embed_tokens is written and
+    config.tie_word_embeddings tells loaders to tie."""
+    state = _gather_to_cpu(model, dtype)
+    with _atomic_dir(out_dir) as tmp:
+        if tmp is not None:
+            _save_pretrained(model, tmp, state, dtype, max_shard_size)
+            tokenizer.save_pretrained(tmp)
+
+
+def save_critic(critic, out_dir, tokenizer=None, dtype=None, max_shard_size="5GB"):
+    """The backbone as its own save_pretrained directory (AutoModel and AutoModelForCausalLM both load it)
+    + value_head.safetensors; load_critic reads both. dtype=None keeps the parameters' own dtype (exact
+    resume). Every rank calls it; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    state = _gather_to_cpu(critic, dtype)
+    head = {k[len("value_head."):]: state.pop(k) for k in list(state) if k.startswith("value_head.")}
+    backbone = {k[len("backbone."):]: t for k, t in state.items()}
+    with _atomic_dir(out_dir) as tmp:
+        if tmp is not None:
+            _save_pretrained(critic.backbone, tmp, backbone, dtype, max_shard_size)
+            save_file(head, tmp / VALUE_HEAD_FILE, metadata={"format": "pt"})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
