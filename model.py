@@ -220,7 +220,8 @@ def check_model(name_or_path, flag="--model"):
         return "checkpoint", str(path / "actor")
     if (path / "config.json").exists():
         return "directory", str(path)
-    if not path.exists() and HUB_ID.fullmatch(name_or_path):
+    # org/name with no local org/ directory: a mistyped path under an existing folder (runs/x) still dies here
+    if not path.exists() and not path.parent.exists() and HUB_ID.fullmatch(name_or_path):
         return "hub", name_or_path
     die(f"{flag} {name_or_path}: not a Hugging Face model directory (no config.json), a training checkpoint "
         f"(actor/config.json), a hub id (org/name) or one of the aliases {', '.join(ALIASES)}")

@@ -193,7 +193,8 @@ def test_check_model_decides_without_downloading(tmp_path, monkeypatch, capsys):
     assert M.resolve_model("ckpt") == str(Path("ckpt") / "actor")
     assert M.resolve_model("ckpt/actor") == str(Path("ckpt") / "actor")
     (tmp_path / "org" / "name").mkdir(parents=True)  # exists locally, so it is no hub id
-    for bad in ("org/name", "/nonexistent/model", "a/b/c", "no-slash", "./x/y"):
+    (tmp_path / "runs").mkdir()  # runs/typo: a missing run directory under an existing folder, no hub id
+    for bad in ("org/name", "/nonexistent/model", "a/b/c", "no-slash", "./x/y", "runs/typo"):
         with pytest.raises(SystemExit) as e:
             M.check_model(bad, flag="--critic-model")
         err = capsys.readouterr().err
