@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 import trl_grpo_step as cfg  # noqa: E402  (the shared configuration constants)
-from model import _cpuinfo_text, die, resolve_model  # noqa: E402
+from model import ArgumentParser, _cpuinfo_text, die, resolve_model  # noqa: E402
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TRL_MODULES = ("trl", "transformers", "datasets", "accelerate", "math_verify", "torch")
@@ -38,7 +38,7 @@ TARGET = 0.75
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="steps per side; the median is over steps 2..N")
     p.add_argument("--venv", default="/tmp/trl-venv", help="scratch venv for TRL (created when missing)")
     p.add_argument("--out", default="runs/trl_compare", help="logs, metrics and result.json")
