@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo test test-fast venv model clean
+.PHONY: demo compare test test-fast venv model clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,20 @@ demo: $(STAMP)
 	$(PY) model.py prepare
 	rm -rf runs/demo
 	$(PY) train.py $(DEMO_ARGS)
+
+# MuTIS against single-turn baselines (bench/compare.py), all from the demo's settings plus validation
+# every 4 steps on 50 problems (the curves), then eval.py on every checkpoint side by side:
+# runs/compare/summary.md. RUNS and SEEDS pick runs and seeds; MODEL, DATA, VAL and ARGS override the
+# model, the data, the validation set and any train.py flag (COMPARE_BASE replaces the demo's settings
+# whole); LAUNCH runs train.py (e.g. torchrun --nproc_per_node 8); COMPARE_FLAGS=--train-only or
+# --summarize splits the work over machines (README: "MuTIS against its baselines").
+RUNS ?= mutis single_cap single_hard length_penalty
+SEEDS ?= 0
+COMPARE_BASE ?= $(DEMO_ARGS) --test-freq 4 --val-limit 50
+compare: $(STAMP)
+	$(PY) bench/compare.py --runs "$(RUNS)" --seeds "$(SEEDS)" $(if $(LAUNCH),--launcher "$(LAUNCH)") \
+		$(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \
+		$(if $(VAL),--val-data $(VAL)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) models

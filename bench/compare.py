@@ -1,0 +1,346 @@
+"""`make compare`: MuTIS against its single-turn baselines, trained and scored the same way.
+
+Every run starts from the same model and trains on the same data with the same seed, steps and rollouts per
+step (the train.py arguments after `--`; `make compare` passes the demo's); only the rollout shape and the
+reward differ (RUNS below). Each run validates in its own rollout setting while it trains (curves.png), then
+one eval.py call scores the untrained model and every final checkpoint on the validation set, greedy, single
+turn, at the token cap a MuTIS trajectory could reach (--eval-turns K: with K interventions instead).
+
+    python bench/compare.py -- --data arith_train --val-data arith_test --steps 12 ...   # train all, summarize
+    python bench/compare.py --runs mutis,single_cap --seeds 0,1 --train-only -- ...      # one machine's share
+    python bench/compare.py --summarize -- ...       # eval.py + table over every finished run in --out
+    python bench/compare.py --launcher "torchrun --nproc_per_node 8" -- --model /path/to/hf_model ...
+
+Writes OUT/<run>-s<seed>/ (train.py's --out, plus train.log and compare.json once it succeeded), OUT/eval/
+(eval.py's outputs), OUT/summary.md, OUT/summary.json and OUT/curves.png.
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from data import ArgumentParser, die, write_atomic  # noqa: E402
+
+LENGTH_COST = 0.5  # length_penalty: what a response at the full cap costs, in correct answers
+
+
+def single_turn(tokens):
+    return ["--max-turns", "0", "--turn-tokens", str(tokens), "--max-response-tokens", str(tokens)]
+
+
+# name -> (why, extra train.py args from the per-turn budget T and the MuTIS cap), in training order
+RUNS = {
+    "mutis": ("MuTIS as configured: T-token turns, an intervention after each answerless turn",
+              lambda T, cap: []),
+    "single_cap": ("no interventions; one turn may run as long as a whole MuTIS trajectory",
+                   lambda T, cap: single_turn(cap)),
+    "single_hard": ("no interventions; the per-turn budget is the whole cap, no second chance",
+                    lambda T, cap: single_turn(T)),
+    "length_penalty": (f"single_cap with a per-token reward cost: a full-cap response costs {LENGTH_COST} of a "
+                       f"correct answer (score = acc - C x tokens, C = {LENGTH_COST}/cap)",
+                       lambda T, cap: single_turn(cap) + ["--length-coef", f"{LENGTH_COST / cap:.6g}"]),
+}
+OPTIONAL = {"length_penalty": "--length-coef"}  # skipped with a note when train.py lacks the flag
+
+
+def trajectory_cap(max_turns, turn_tokens, intervention_tokens, max_response_tokens=None):
+    """Longest MuTIS response: every turn at full budget plus every intervention (or the explicit cap)."""
+    return max_response_tokens or (max_turns + 1) * turn_tokens + max_turns * intervention_tokens
+
+
+def binomial_se(p, n):
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def aggregate(per_seed):
+    """[{metric: value}] over seeds -> mean of each metric (None where no seed has it), acc range, seeds."""
+    keys = dict.fromkeys(k for m in per_seed for k in m if k != "seed")
+    out = {k: (statistics.fmean(v) if (v := [m[k] for m in per_seed if m.get(k) is not None]) else None)
+           for k in keys}
+    accs = [m["acc"] for m in per_seed]
+    out.update(acc_min=min(accs), acc_max=max(accs), seeds=len(per_seed))
+    return out
+
+
+def table(rows, turn_tokens):
+    """rows: [(name, aggregate)] -> markdown; accuracy in % with its binomial SE on the eval set's size."""
+    def f(v, fmt, scale=1):
+        return "–" if v is None else format(v * scale, fmt)
+    head = ["run", "seeds", "acc %", "± SE", "seed range", f"acc % at {turn_tokens} tok", "mean tok", "median tok",
+            "at cap %", "unfinished %", "val acc % (own)", "val tok (own)", "val turns (own)", "train min"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in rows:
+        spread = f"{100 * m['acc_min']:.1f}–{100 * m['acc_max']:.1f}" if m["seeds"] > 1 else "–"
+        cells = [name, str(m["seeds"]), f(m["acc"], ".1f", 100), f(binomial_se(m["acc"], m["n"]), ".1f", 100), spread,
+                 f(m.get("acc_at_T"), ".1f", 100), f(m["mean_tokens"], ".0f"), f(m["median_tokens"], ".0f"),
+                 f(m.get("at_cap"), ".0f", 100), f(m.get("unfinished"), ".0f", 100), f(m.get("val_acc"), ".1f", 100),
+                 f(m.get("val_tokens"), ".0f"), f(m.get("val_turns"), ".2f"), f(m.get("wall_s"), ".1f", 1 / 60)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def eval_argv(ta, checkpoints, cap, turn_tokens, eval_turns, limit, out):
+    """eval.py's arguments: every checkpoint on the validation set under one setting, greedy."""
+    argv = [*checkpoints, "--benchmarks", ta.val_data, "--max-response-tokens", str(cap), "--temperature", "0",
+            "--budgets", ",".join(str(b) for b in sorted({turn_tokens, 2 * turn_tokens, cap}) if b <= cap),
+            "--max-turns", str(eval_turns), "--engine", ta.engine, "--engine-dtype", ta.engine_dtype, "--out", str(out)]
+    if eval_turns:
+        argv += ["--turn-tokens", str(turn_tokens), "--turn-rule", ta.turn_rule, "--intervention-text",
+                 ta.intervention_text] + ([] if ta.cut_at_answer else ["--no-cut-at-answer"])
+    for s in ta.stop or []:
+        argv += ["--stop", s]
+    if ta.system_prompt is not None:
+        argv += ["--system-prompt", ta.system_prompt]
+    if limit:
+        argv += ["--limit", str(limit)]
+    return argv + (["--enforce-eager"] if ta.enforce_eager else [])
+
+
+def at_cap(samples_path, benchmark, cap):
+    """{checkpoint: share of its eval.py responses on benchmark that used the whole cap} from samples.jsonl."""
+    hits = {}
+    for line in open(samples_path):
+        s = json.loads(line)
+        if s["benchmark"] == benchmark:
+            hits.setdefault(s["checkpoint"], []).append(s["num_tokens"] >= cap)
+    return {c: statistics.fmean(v) for c, v in hits.items()}
+
+
+def val_rows(run_dir):
+    """A run's validation rows (its own rollout setting) from its metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, open(path)) if r.get("val/acc") is not None] if path.exists() else []
+
+
+def last_val(rows):
+    """The last validation of a run as table metrics, or {}."""
+    return {"val_acc": rows[-1]["val/acc"], "val_tokens": rows[-1]["val/response_length"],
+            "val_turns": rows[-1].get("val/turns"), "val_step": rows[-1]["step"]} if rows else {}
+
+
+def finished_runs(out):
+    """[(name, seed, dir, record)] of every run directory in out whose train.py succeeded, in RUNS order."""
+    found = []
+    for d in sorted(out.glob("*-s*")):
+        if (d / "compare.json").exists() and (d / "latest").exists():
+            rec = json.loads((d / "compare.json").read_text())
+            found.append((rec["run"], rec["seed"], d, rec))
+    order = list(RUNS)
+    return sorted(found, key=lambda x: (order.index(x[0]) if x[0] in order else len(order), x[0], x[1]))
+
+
+def parse_train(argv):
+    """train.py's own parser on argv -> (namespace, None), or (None, its error line)."""
+    import train
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return train.parse_args(argv), None
+    except SystemExit:
+        return None, err.getvalue().strip().removeprefix("error: ")
+
+
+STEP_LINE = re.compile(r"step \d+/\d+ |\[val\] ")  # train.py's step and validation lines, not its progress bars
+
+
+def stream(cmd, log, label, show=STEP_LINE):
+    """Run cmd with its output in log; echo the lines that match `show` (None: none), prefixed by label -> exit code."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in p.stdout:
+            f.write(line)
+            if show and show.match(line):
+                print(f"[{label}] {line.rstrip()}", flush=True)
+        return p.wait()
+
+
+def last_line(log):
+    """The last non-empty line of a log, shortened: a failed run's own error or exception."""
+    lines = [x.strip() for x in open(log) if x.strip()]
+    return (lines[-1].removeprefix("error: ")[:200]) if lines else "no output"
+
+
+def train_run(name, seed, args, out, launcher):
+    """train.py with args (base + the run's extra) at this seed into OUT/<name>-s<seed>; compare.json on success."""
+    d = out / f"{name}-s{seed}"
+    shutil.rmtree(d, ignore_errors=True)  # train.py appends to metrics.jsonl: start clean
+    d.mkdir(parents=True)
+    cmd = [*(shlex.split(launcher) or [sys.executable]), str(ROOT / "train.py"), *args,
+           "--seed", str(seed), "--out", str(d)]
+    print(f"[{name} s{seed}] {RUNS[name][0]}; log {d / 'train.log'}", flush=True)
+    t0 = time.time()
+    if stream(cmd, d / "train.log", f"{name} s{seed}"):
+        sys.exit(f"error: run {name} (seed {seed}) failed ({last_line(d / 'train.log')}); log: {d / 'train.log'}")
+    write_atomic(d / "compare.json", json.dumps({"run": name, "seed": seed, "wall_s": round(time.time() - t0, 1),
+                                                 "args": args, "command": cmd}, indent=2) + "\n")
+
+
+def plot(found, path):
+    """Validation accuracy and mean tokens against step, one line per run and seed (own rollout setting)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = {}
+    for name, seed, d, _ in found:
+        rows = val_rows(d)
+        color = colors.setdefault(name, f"C{len(colors)}")
+        for ax, key, scale in ((axes[0], "val/acc", 100), (axes[1], "val/response_length", 1)):
+            ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], marker="o", color=color,
+                    linestyle="-" if seed == found[0][1] else "--", label=f"{name} s{seed}")
+    axes[0].set(title="validation accuracy % (own rollout setting)", xlabel="step")
+    axes[1].set(title="validation mean response tokens", xlabel="step")
+    for ax in axes:
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    write_atomic(path, png.getvalue())
+
+
+def summarize(out, ta, base, cap, T, opts, notes):
+    found = finished_runs(out)
+    if not found:
+        die(f"no finished run in {out} (a run directory holds compare.json once its train.py succeeded)")
+    ckpts = [ta.model] + [str(d / "latest") for _, _, d, _ in found]
+    argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, opts.eval_limit, out / "eval")
+    print(f"[eval] the untrained model and {len(found)} checkpoints on {ta.val_data}; log {out / 'eval.log'}",
+          flush=True)
+    t0 = time.time()
+    if stream([sys.executable, str(ROOT / "eval.py"), *argv], out / "eval.log", "eval", show=None):
+        sys.exit(f"error: eval.py failed ({last_line(out / 'eval.log')}); log: {out / 'eval.log'}")
+    eval_s = time.time() - t0
+    results = json.loads((out / "eval" / "summary.json").read_text())["results"]
+    capped = at_cap(out / "eval" / "samples.jsonl", ta.val_data, cap)
+
+    def scored(ckpt):
+        r = results[ckpt][ta.val_data]
+        return {"acc": r["accuracy"], "n": r["n"], "acc_at_T": r.get("budget_accuracy", {}).get(str(T)),
+                "mean_tokens": r["mean_tokens"], "median_tokens": r["median_tokens"], "at_cap": capped[ckpt],
+                "unfinished": r.get("truncated")}
+    per_run = {}
+    for name, seed, d, rec in found:
+        per_run.setdefault(name, []).append({**scored(str(d / "latest")), **last_val(val_rows(d)),
+                                             "wall_s": rec["wall_s"], "seed": seed})
+        if name not in RUNS or rec["args"] != base + RUNS[name][1](T, cap):
+            notes.append(f"{d.name} was trained with other train.py arguments than these (see its compare.json)")
+            print(f"note: {notes[-1]}", flush=True)
+    rows = [("untrained", aggregate([scored(ta.model)]))] + [(k, aggregate(v)) for k, v in per_run.items()]
+    md = table(rows, T)
+    plot(found, out / "curves.png")
+    train_s = sum(rec["wall_s"] for *_, rec in found)
+    setting = (f"single turn at {cap} tokens" if not opts.eval_turns else
+               f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
+    n = int(rows[0][1]["n"])
+    steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
+    every = f"every {ta.test_freq} steps" if ta.test_freq else "before and after"
+    text = "\n".join([
+        "# make compare: MuTIS against its baselines", "",
+        f"Command: `{' '.join(sys.argv)}`  ", f"Finished {time.strftime('%Y-%m-%d %H:%M')} on {machine()}.", "",
+        "## Settings", "",
+        f"- Every run: model `{ta.model}`, data `{ta.data}`, {steps} of {ta.batch_size} prompts x "
+        f"{ta.samples_per_prompt} samples (the same rollouts per step), seeds {sorted({s for _, s, _, _ in found})}; "
+        f"train.py arguments `{' '.join(base)}`.",
+        f"- MuTIS budget: {T}-token turns, up to {ta.max_turns} interventions of {opts.intervention_tokens} tokens: "
+        f"a trajectory reaches at most {cap} tokens (the single-turn cap below).",
+        f"- Validation while training (val columns, curves.png): greedy, each run in its own rollout setting, on "
+        f"{'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, {every}; "
+        f"the columns show the last one.",
+        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call, greedy, {setting}, on {n} "
+        f"problems of `{ta.val_data}`; acc at {T} tok re-scores the same generations cut at {T} tokens; at cap: "
+        f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, no explicit answer at the end "
+        f"(cut by the cap, or under the reference turn rule also stopped without one); SE = sqrt(p(1-p)/{n}).",
+        "", "| run | why | extra train.py arguments |", "|---|---|---|",
+        *[f"| {k} | {RUNS[k][0]} | `{' '.join(RUNS[k][1](T, cap)) or '(none)'}` |" for k in RUNS],
+        "", "## Results", "", md,
+        f"Wall time: training {train_s / 60:.1f} min over {len(found)} runs, eval.py {eval_s / 60:.1f} min. "
+        f"Outputs: eval/ (eval.py: summary.md, samples.jsonl, budget.png), curves.png, <run>-s<seed>/.",
+        *[f"\nNote: {x}" for x in notes], ""])
+    write_atomic(out / "summary.md", text)
+    write_atomic(out / "summary.json", json.dumps({"settings": {"cap": cap, "turn_tokens": T, "train_args": base,
+                                                                "eval_args": argv, "eval_s": round(eval_s, 1)},
+                                                   "untrained": rows[0][1], "runs": per_run, "notes": notes},
+                                                  indent=2) + "\n")
+    print(f"\nwrote {out / 'summary.md'}, summary.json, curves.png; eval.py outputs in {out / 'eval'}\n")
+    print(md, end="")
+
+
+def machine():
+    """CPU model, cores, bf16 flags and GPU: what the wall times depend on."""
+    import torch
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    cpu = re.search(r"model name\s*:\s*(.*)", info)
+    bf16 = " ".join(sorted(set(re.findall(r"\b(?:avx512_bf16|amx_bf16)\b", info)))) or "none"
+    gpu = f", GPU {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else ""
+    return f"{cpu.group(1) if cpu else '?'}, {os.cpu_count()} cores (bf16 flags: {bf16}){gpu}"
+
+
+def parse_args(argv):
+    """compare.py's own flags before `--`, train.py's after it."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", default=" ".join(RUNS), help=f"runs to train, space/comma-separated: {', '.join(RUNS)}")
+    p.add_argument("--seeds", default="0", help="seeds, space- or comma-separated: every run once per seed")
+    p.add_argument("--out", default="runs/compare", help="output directory")
+    p.add_argument("--launcher", default="", help="what runs train.py, e.g. 'torchrun --nproc_per_node 8' "
+                                                  "(default: this python)")
+    p.add_argument("--eval-turns", type=int, default=0, help="eval.py --max-turns (0: single turn, the paper's eval)")
+    p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--train-only", action="store_true", help="train the runs, no eval.py and no summary")
+    mode.add_argument("--summarize", action="store_true", help="no training: eval.py and the summary over OUT")
+    opts = p.parse_args(argv[:cut])
+    opts.runs, opts.seeds = opts.runs.replace(",", " ").split(), opts.seeds.replace(",", " ").split()
+    if unknown := [r for r in opts.runs if r not in RUNS]:
+        die(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(RUNS)})")
+    if not all(s.isdigit() for s in opts.seeds) or not opts.seeds:
+        die(f"--seeds: expected non-negative integers, got {' '.join(opts.seeds) or 'none'}")
+    return opts, argv[cut + 1:]
+
+
+def main(argv=None):
+    opts, base = parse_args(sys.argv[1:] if argv is None else argv)
+    ta, err = parse_train(base)
+    if err:
+        die(f"train.py arguments: {err}")
+    if not ta.val_data or ta.max_turns < 1:
+        die("train.py arguments need --val-data (every run validates on it) and --max-turns >= 1 (the MuTIS run)")
+    import rollout
+    from model import load_tokenizer, resolve_model
+    opts.intervention_tokens = len(rollout.intervention_ids(load_tokenizer(resolve_model(ta.model)),
+                                                            ta.intervention_text))
+    T = ta.turn_tokens
+    cap = trajectory_cap(ta.max_turns, T, opts.intervention_tokens, ta.max_response_tokens)
+    out, notes, plan = Path(opts.out), [], []
+    for name in opts.runs:
+        extra = RUNS[name][1](T, cap)
+        _, err = parse_train(base + extra)
+        if err and name in OPTIONAL and OPTIONAL[name] in err:
+            notes.append(f"{name} skipped: train.py has no {OPTIONAL[name]} ({err})")
+            print(f"note: {notes[-1]}", flush=True)
+        elif err:
+            die(f"run {name}: train.py arguments: {err}")
+        else:
+            plan += [(name, int(s), base + extra) for s in opts.seeds]
+    if not opts.summarize:
+        for name, seed, args in plan:
+            train_run(name, seed, args, out, opts.launcher)
+    if not opts.train_only:
+        summarize(out, ta, base, cap, T, opts, notes)
+
+
+if __name__ == "__main__":
+    main()

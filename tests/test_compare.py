@@ -1,0 +1,158 @@
+"""bench/compare.py's pure parts: the runs' arguments (checked by train.py's and eval.py's own parsers), the cap,
+standard errors, seed aggregation, the table and the gathering of finished runs."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import eval as eval_lib
+import train
+
+_spec = importlib.util.spec_from_file_location("compare", Path(__file__).resolve().parents[1] / "bench" / "compare.py")
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
+
+BASE = ("--model smollm2 --data arith_train --val-data arith_test --system-prompt answer-line --steps 12 "
+        "--batch-size 4 --samples-per-prompt 6 --max-turns 2 --turn-tokens 64 --adv grpo --temperature 0.8 "
+        "--enforce-eager --out runs/demo --test-freq 4 --val-limit 50").split()
+
+
+def test_trajectory_cap_counts_every_turn_and_intervention():
+    assert compare.trajectory_cap(2, 64, 36) == 3 * 64 + 2 * 36
+    assert compare.trajectory_cap(0, 100, 36) == 100
+    assert compare.trajectory_cap(2, 64, 36, max_response_tokens=200) == 200
+
+
+def test_runs_parse_with_train_py_and_set_their_budget():
+    T, cap = 64, 264
+    seen = {}
+    for name, (why, extra) in compare.RUNS.items():
+        assert why
+        seen[name] = train.parse_args(BASE + extra(T, cap) + ["--seed", "1", "--out", "/tmp/x"])
+    assert (seen["mutis"].max_turns, seen["mutis"].turn_tokens, seen["mutis"].max_response_tokens) == (2, 64, None)
+    assert (seen["single_cap"].max_turns, seen["single_cap"].turn_tokens,
+            seen["single_cap"].max_response_tokens) == (0, cap, cap)
+    assert (seen["single_hard"].max_turns, seen["single_hard"].turn_tokens,
+            seen["single_hard"].max_response_tokens) == (0, T, T)
+    lp = seen["length_penalty"]
+    assert (lp.max_turns, lp.turn_tokens, lp.max_response_tokens) == (0, cap, cap)
+    assert lp.length_coef * cap == pytest.approx(0.5, rel=1e-5)   # a full-cap response costs half a correct one
+    for name in ("mutis", "single_cap", "single_hard"):
+        assert getattr(seen[name], "length_coef", 0) == 0
+    # the same seed, steps and rollouts per step in every run
+    assert {(a.seed, a.steps, a.batch_size, a.samples_per_prompt, a.data) for a in seen.values()} == \
+        {(1, 12, 4, 6, "arith_train")}
+
+
+def test_parse_train_returns_the_error_line_instead_of_exiting():
+    args, err = compare.parse_train(BASE)
+    assert err is None and args.turn_tokens == 64
+    args, err = compare.parse_train(BASE + ["--no-such-flag", "1"])
+    assert args is None and "--no-such-flag" in err and not err.startswith("error:")
+
+
+def test_binomial_se():
+    assert compare.binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert compare.binomial_se(0.82, 100) == pytest.approx(math.sqrt(0.82 * 0.18) / 10)
+    assert compare.binomial_se(1.0, 50) == 0
+
+
+def test_aggregate_means_over_seeds_and_keeps_the_range():
+    a = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "mean_tokens": 10, "truncated": None, "val_acc": 0.4},
+                           {"seed": 1, "acc": 0.7, "n": 100, "mean_tokens": 20, "truncated": None}])
+    assert a["acc"] == pytest.approx(0.6) and a["mean_tokens"] == pytest.approx(15)
+    assert (a["acc_min"], a["acc_max"], a["seeds"], a["n"]) == (0.5, 0.7, 2, 100)
+    assert a["truncated"] is None and a["val_acc"] == pytest.approx(0.4)   # only the seeds that have it
+    assert "seed" not in a
+
+
+def _cells(md, row):
+    return [c.strip() for c in md.splitlines()[row].strip("|").split("|")]
+
+
+def test_table_cells():
+    one = compare.aggregate([{"acc": 0.82, "n": 100, "acc_at_T": 0.8, "mean_tokens": 16.54, "median_tokens": 15,
+                              "at_cap": 0.0, "unfinished": 0.02, "val_acc": 0.8, "val_tokens": 17.2, "val_turns": 1.0,
+                              "wall_s": 390}])
+    two = compare.aggregate([{"acc": 0.5, "n": 100, "mean_tokens": 100, "median_tokens": 90, "at_cap": 0.25},
+                             {"acc": 0.7, "n": 100, "mean_tokens": 120, "median_tokens": 110, "at_cap": 0.35}])
+    md = compare.table([("mutis", one), ("single_cap", two)], 64)
+    head = _cells(md, 0)
+    assert "acc % at 64 tok" in head
+    rows = [dict(zip(head, _cells(md, i))) for i in (2, 3)]
+    assert all(len(_cells(md, i)) == len(head) for i in range(4))
+    assert rows[0] == {"run": "mutis", "seeds": "1", "acc %": "82.0", "± SE": "3.8", "seed range": "–",
+                       "acc % at 64 tok": "80.0", "mean tok": "17", "median tok": "15", "at cap %": "0",
+                       "unfinished %": "2",
+                       "val acc % (own)": "80.0", "val tok (own)": "17", "val turns (own)": "1.00", "train min": "6.5"}
+    assert rows[1]["acc %"] == "60.0" and rows[1]["± SE"] == f"{100 * math.sqrt(0.6 * 0.4 / 100):.1f}" == "4.9"
+    assert rows[1]["seed range"] == "50.0–70.0" and rows[1]["at cap %"] == "30" and rows[1]["unfinished %"] == "–"
+    assert rows[1]["val acc % (own)"] == rows[1]["train min"] == rows[1]["acc % at 64 tok"] == "–"
+
+
+def test_eval_argv_parses_with_eval_py():
+    ta = train.parse_args(BASE)
+    argv = compare.eval_argv(ta, ["smollm2", "runs/compare/mutis-s0/latest"], 264, 64, 0, None, "runs/compare/eval")
+    e = eval_lib.parse_args(argv)
+    assert e.checkpoints == ["smollm2", "runs/compare/mutis-s0/latest"] and e.benchmarks == "arith_test"
+    assert (e.max_turns, e.max_response_tokens, e.temperature, e.budgets) == (0, 264, 0, [64, 128, 264])
+    assert (e.system_prompt, e.enforce_eager, e.limit, e.out) == ("answer-line", True, None, "runs/compare/eval")
+    e = eval_lib.parse_args(compare.eval_argv(ta, ["smollm2"], 264, 64, 2, 20, "o"))
+    assert (e.max_turns, e.turn_tokens, e.intervention_text, e.turn_rule, e.limit) == \
+        (2, 64, "reference", "reference", 20)
+
+
+def test_parse_args_splits_at_the_double_dash():
+    opts, base = compare.parse_args(["--runs", "mutis, single_cap", "--seeds", "0 1", "--", "--steps", "3"])
+    assert (opts.runs, opts.seeds, base) == (["mutis", "single_cap"], ["0", "1"], ["--steps", "3"])
+    opts, base = compare.parse_args([])
+    assert opts.runs == list(compare.RUNS) and opts.seeds == ["0"] and base == []
+
+
+@pytest.mark.parametrize("argv, message", [(["--runs", "mutis,nope"], "nope"), (["--seeds", "a"], "--seeds"),
+                                           (["--train-only", "--summarize"], "not allowed")])
+def test_bad_flags_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_finished_runs_in_runs_order_with_their_last_validation(tmp_path):
+    def run(name, seed, rows, done=True):
+        d = tmp_path / f"{name}-s{seed}"
+        (d / "step_000002").mkdir(parents=True)
+        (d / "latest").symlink_to("step_000002")
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if done:
+            (d / "compare.json").write_text(json.dumps({"run": name, "seed": seed, "wall_s": 1.0, "args": []}))
+        return d
+    val = {"val/acc": 0.5, "val/response_length": 40.0, "val/turns": 1.5}
+    run("single_hard", 0, [{"step": 0, **val}])
+    run("mutis", 1, [{"step": 0, **val}, {"step": 1, "acc/mean": 0.3},
+                     {"step": 2, "val/acc": 0.75, "val/response_length": 20.0, "val/turns": 1.0}])
+    run("mutis", 0, [])
+    run("single_cap", 0, [], done=False)   # train.py failed or still running: not gathered
+    found = compare.finished_runs(tmp_path)
+    assert [(n, s) for n, s, _, _ in found] == [("mutis", 0), ("mutis", 1), ("single_hard", 0)]
+    assert [r["step"] for r in compare.val_rows(found[1][2])] == [0, 2]
+    assert compare.last_val(compare.val_rows(found[1][2])) == {"val_acc": 0.75, "val_tokens": 20.0, "val_turns": 1.0,
+                                                               "val_step": 2}
+    assert compare.val_rows(found[0][2]) == [] and compare.last_val([]) == {}
+    assert compare.val_rows(tmp_path / "nothing-here") == []
+
+
+@pytest.mark.parametrize("line, shown", [("step 3/12 | reward 0.5 acc 0.5", True), ("[val] step 0  acc 0.610", True),
+                                         ("step 3 rollout:  50%|#####     | 12/24", False), ("[setup] dtype", False)])
+def test_console_shows_train_py_step_and_validation_lines_only(line, shown):
+    assert bool(compare.STEP_LINE.match(line)) is shown
+
+
+def test_at_cap_counts_responses_that_used_the_whole_cap(tmp_path):
+    rows = [("a", "arith_test", 264), ("a", "arith_test", 263), ("a", "gsm8k", 264), ("b", "arith_test", 10),
+            ("a", "arith_test", 264), ("a", "arith_test", 5)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps({"checkpoint": c, "benchmark": b, "num_tokens": t}) + "\n" for c, b, t in rows))
+    assert compare.at_cap(path, "arith_test", 264) == {"a": 0.5, "b": 0.0}
