@@ -33,6 +33,7 @@ def test_pass_at_k_matches_enumeration():
 
 # ----------------------------------------------------------------------------- --score
 
+@pytest.mark.slow  # an eval.py start
 def test_score_jsonl_exact_accuracy_two_checkpoints(tmp_path):
     # per checkpoint: gsm8k 2 of 3 right (a), 1 of 3 (b); math500 1 of 2 (a), 2 of 2 (b)
     rows = []
@@ -66,6 +67,7 @@ def test_score_jsonl_exact_accuracy_two_checkpoints(tmp_path):
     assert md in r.stdout
 
 
+@pytest.mark.slow  # an eval.py start
 def test_score_parquet_n_samples_pass_at_k(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     # 3 problems x 4 samples; correct counts 0, 1, 3
@@ -90,6 +92,7 @@ def test_score_parquet_n_samples_pass_at_k(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 
+@pytest.mark.slow  # an eval.py start each
 @pytest.mark.parametrize("argv,needle", [
     # arith_test (a bundled training-side set) passes, so the error names the one after it
     (["smollm2", "--benchmarks", "gsm8k,arith_test,nosuchbench", "--limit", "1"], "'nosuchbench'"),

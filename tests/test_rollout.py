@@ -318,6 +318,7 @@ def test_cli_writes_jsonl(tiny_model_dir, tmp_path):
     assert not list(out.parent.glob("*.tmp"))
 
 
+@pytest.mark.slow  # three rollout.py starts
 def test_cli_errors_exit_2(tiny_model_dir, tmp_path):
     out = tmp_path / "r.jsonl"
     proc = run_cli("--model", tiny_model_dir, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
