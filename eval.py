@@ -100,7 +100,8 @@ def generate(engine, tokenizer, records, args, desc=""):
                     "sample": t["sample_index"],
                     "problem": rec["problem"], "gold": rec["ground_truth"], "response_ids": list(t["response_ids"]),
                     "_full_text": t["policy_text"],
-                    "_truncated": bool(t["truncated"]), "_action_mask": list(t["action_mask"]),
+                    "_truncated": bool(t["hit_cap"]),  # the token cap cut it (not: ended without an answer)
+                    "_action_mask": list(t["action_mask"]),
                     "_turns": int(t["turns"])})
             bar.update(len(chunk))
     return samples

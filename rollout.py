@@ -443,7 +443,8 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
     Each trajectory: response_ids (kept policy tokens and interventions interleaved), action_mask (1 on the
     policy's tokens), rollout_logprobs, turns, interventions, answered (ended on an explicit answer),
     cut_turns (turns cut after their answer), finished (answered, or ended by the model under the paper
-    rule), truncated (ran out of turns or room without an answer), response_text (everything, for people)
+    rule), truncated (ran out of turns or room without an answer), hit_cap (a token limit cut its last turn before
+    any answer: the turn budget, --max-response-tokens or the context), response_text (everything, for people)
     and policy_text (the policy's kept tokens only: what is scored, so no intervention is read as an answer).
     """
     if turn_rule not in TURN_RULES:
@@ -463,7 +464,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
             raise PromptTooLong(f"prompt {pi} has {len(p)} tokens, no room left in max_model_len {ctx}")
         for j in range(n):
             trajs.append(dict(prompt_ids=list(p), response_ids=[], action_mask=[], rollout_logprobs=[], turns=0,
-                              interventions=0, answered=False, cut_turns=0, finished=False, truncated=False,
+                              interventions=0, answered=False, cut_turns=0, finished=False, truncated=False, hit_cap=False,
                               prompt_index=pi, sample_index=j))
 
     def room(t):  # tokens this trajectory may still add, under both caps
@@ -510,6 +511,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
             # answered, or stopped by the model without an answer under the paper rule; else cut by a cap
             t["finished"] = found is not None or (c.stopped and not intervene)
             t["truncated"] = not t["finished"]
+            t["hit_cap"] = not c.stopped and found is None
         bar.update(len(active) - len(still))
         active = still
     bar.close()

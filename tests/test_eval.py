@@ -181,8 +181,10 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
             assert stats["budget_accuracy"][str(b)] == pytest.approx(sum(s["budget_correct"][str(b)] for s in mine) / 3)
         for s in mine:
             assert s["num_tokens"] == min(len(s["response_ids"]), 32) and len(s["response_ids"]) <= 48
-            if len(s["response_ids"]) > 32:  # cut at --max-tokens from the 48-token generation
+            if len(s["response_ids"]) > 32:  # cut at --max-response-tokens from the 48-token generation
                 assert s["truncated"]
+            elif len(s["response_ids"]) < 32:  # the model ended it: truncated means cut by the cap, nothing else
+                assert not s["truncated"]
             for b in (8, 16, 48):
                 if len(s["response_ids"]) <= min(b, 32):  # nothing cut: same text, same verdict
                     assert s["budget_correct"][str(b)] == s["correct"]

@@ -110,11 +110,13 @@ def test_max_turns_answerless_turns_end_truncated(tok, iv):
     ramble = ids(tok, "Let me think about this problem step by step and carefully consider it")
     (t,), engine = run(tok, iv, [[ramble] * 3], turn_tokens=10, max_turns=2)
     assert (t["turns"], t["interventions"], t["answered"], t["finished"], t["truncated"]) == (3, 2, False, False, True)
+    assert t["hit_cap"]  # the last turn's budget cut it
     assert t["response_ids"] == ramble[:10] + iv + ramble[:10] + iv + ramble[:10]
     assert kept_actions(t) == ramble[:10] * 3 and engine.calls == {0: 3}
     # the last turn ends on EOS without an answer: out of turns, it keeps its EOS and is truncated
     (t,), _ = run(tok, iv, [[ramble[:10], ramble[:10], ids(tok, "no idea", EOS)]], turn_tokens=10, max_turns=2)
     assert t["response_ids"][-1] == EOS and t["truncated"] and not t["answered"]
+    assert not t["hit_cap"]  # the model ended it, no token limit did (eval.py's 'truncated')
 
 
 def test_paper_rule_intervenes_on_budget_cuts_only(tok, iv):
