@@ -261,8 +261,8 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"the columns show the last one.",
         f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call, greedy, {setting}, on {n} "
         f"problems of `{ta.val_data}`; acc at {T} tok re-scores the same generations cut at {T} tokens; at cap: "
-        f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, no explicit answer at the end "
-        f"(cut by the cap, or under the reference turn rule also stopped without one); SE = sqrt(p(1-p)/{n}).",
+        f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
+        f"before any answer; SE = sqrt(p(1-p)/{n}).",
         "", "| run | why | extra train.py arguments |", "|---|---|---|",
         *[f"| {k} | {RUNS[k][0]} | `{' '.join(RUNS[k][1](T, cap)) or '(none)'}` |" for k in RUNS],
         "", "## Results", "", md,
