@@ -65,7 +65,7 @@ def versions():
 
 # ----------------------------------------------------------------------------- generation
 
-def generate(engine, tokenizer, records, args, desc=""):
+def generate(engine, tokenizer, records, args, desc="", prompts=None):
     """Roll out every record (n samples each) -> unscored sample dicts, in record order.
 
     Problems go to the engine in chunks of --batch-size so that tqdm can show progress;
@@ -77,10 +77,8 @@ def generate(engine, tokenizer, records, args, desc=""):
 
     eos_ids = end_of_turn_ids(tokenizer.name_or_path, tokenizer)
     gen_tokens = max([args.max_response_tokens] + args.budgets)
-    try:
-        prompts, _ = rollout.tokenize_prompts(tokenizer, records, args.max_prompt_length, args.truncate_prompts)
-    except rollout.PromptTooLong as e:
-        die(f"--benchmarks: {e}")
+    if prompts is None:  # main tokenizes once, before any engine starts
+        prompts = tokenize(tokenizer, records, args)
     intervention_ids = rollout.intervention_ids(tokenizer, args.intervention_text)
     samples = []
     with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
@@ -105,6 +103,16 @@ def generate(engine, tokenizer, records, args, desc=""):
                     "_turns": int(t["turns"])})
             bar.update(len(chunk))
     return samples
+
+
+def tokenize(tokenizer, records, args):
+    """Prompt ids of the records under --max-prompt-length / --truncate-prompts; a prompt too long: one line."""
+    import rollout
+
+    try:
+        return rollout.tokenize_prompts(tokenizer, records, args.max_prompt_length, args.truncate_prompts)[0]
+    except rollout.PromptTooLong as e:
+        die(f"--benchmarks: {e}")
 
 
 def cuts(args):
@@ -419,22 +427,23 @@ def main(argv=None):
     from model import choose_dtype
     from transformers import AutoConfig
 
-    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
-    print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
-    prepared = {}  # name -> (tokenizer, context length); checked for every checkpoint before any engine starts
+    prepared = {}  # name -> (tokenizer, prompt ids, context length); checked before any engine starts
     for name, path in paths.items():
         tokenizer = load_tokenizer(path)
+        prompts = tokenize(tokenizer, records, args)
         # context = longest prompt + the whole response (rollout.py counts intervention tokens in it)
-        longest = max(len(data.prompt_ids(tokenizer, r["messages"])) for r in records)
+        longest = max(len(p) for p in prompts)
         limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
         if limit and longest + gen_tokens > limit:
             die(f"--max-response-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
                 f"the context of {name} ({limit})")
-        prepared[name] = tokenizer, longest + gen_tokens
+        prepared[name] = tokenizer, prompts, longest + gen_tokens
+    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
     timings = {"load_s": round(time.time() - t0, 2), "checkpoints": {}}
     samples = []
     for name, path in paths.items():
-        tokenizer, context = prepared[name]
+        tokenizer, prompts, context = prepared[name]
         tm = timings["checkpoints"][name] = {}
         t = time.time()
         engine = rollout.make_engine(path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed, max_model_len=context,
@@ -444,7 +453,7 @@ def main(argv=None):
         tm["engine_s"] = round(time.time() - t, 2)
         t = time.time()
         try:
-            done = generate(engine, tokenizer, records, args, desc=f"generate {name}")
+            done = generate(engine, tokenizer, records, args, desc=f"generate {name}", prompts=prompts)
             gen_s = time.time() - t
         finally:
             engine.close()  # free its memory (KV cache, weights) before the next checkpoint's engine

@@ -103,6 +103,7 @@ def test_score_parquet_n_samples_pass_at_k(tmp_path):
     (["--score", "NOGOLD"], "ground truth"),
     ([], "checkpoint"),
     (["smollm2", "--max-response-tokens", "0"], "--max-response-tokens"),
+    (["smollm2", "--benchmarks", "gsm8k", "--limit", "1", "--max-prompt-length", "5"], "--max-prompt-length"),
     (["smollm2", "--n", "2"], "--n"),  # one name per concept: --samples-per-prompt
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, argv, needle):
