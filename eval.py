@@ -390,9 +390,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import quiet_logs
+    from model import keep_freed_memory, quiet_logs
 
     quiet_logs(args.verbose)
+    keep_freed_memory()
     if args.score:
         return score_file(args)
     if not args.checkpoints:

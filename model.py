@@ -411,6 +411,26 @@ def token_logprobs(model, input_ids, attention_mask, response_start, temperature
 
 # ----------------------------------------------------------------------------- system
 
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc mallopt() parameters (malloc.h)
+
+
+def keep_freed_memory(device=None):
+    """On a CPU device (default: cpu unless CUDA is available), let glibc keep freed memory for reuse. By default it hands every block over 32 MB (a
+    logits chunk, the embedding and its gradient, optimiser temporaries) back to the kernel and page-faults it in
+    again on the next allocation, every micro-batch. The peak is unchanged; freed memory stays with the process
+    until it exits. Returns whether it applied (not on CUDA, nor without glibc)."""
+    if torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type != "cpu":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def peak_rss_gb():
     """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import ArgumentParser, choose_dtype, die, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs, resolve_model
+from model import (ArgumentParser, choose_dtype, die, end_of_turn_ids, keep_freed_memory, load_causal_lm, load_tokenizer,
+                   quiet_logs, resolve_model)
 from data import write_atomic
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
@@ -644,6 +645,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     quiet_logs(args.verbose)
+    keep_freed_memory()
     import data
 
     model_path = resolve_model(args.model)

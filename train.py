@@ -42,8 +42,8 @@ from data import write_atomic
 import ppo
 import reward
 import rollout
-from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, load_causal_lm,
-                   load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
+from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, keep_freed_memory,
+                   load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, forward_pass, full_state_dict, init_distributed,
                       load_checkpoint, micro_batches, micro_slices, padding_counts, save_checkpoint, shard)
 
@@ -467,6 +467,7 @@ def setup(args):
     """Process group, dtypes, data (tokenised and checked up front), models and the colocated engine -> run."""
     rank, world, local_rank, device = init_distributed(timeout=args.dist_timeout)
     run = SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
+    keep_freed_memory(device)
     check_attn_implementation(args.attn_implementation, device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)

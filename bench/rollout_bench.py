@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import rollout  # noqa: E402
-from model import choose_dtype, load_causal_lm, resolve_model  # noqa: E402
+from model import choose_dtype, keep_freed_memory, load_causal_lm, resolve_model  # noqa: E402
 
 
 def log(res):
@@ -61,8 +61,11 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 beats 2 on a busy 2-core box)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats (median reported)")
     p.add_argument("--hf-limit", type=int, default=4, help="prompts for vLLM vs transformers (0 = skip; hf is slow)")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="leave glibc's malloc as it is (no model.keep_freed_memory), for a before/after")
     args = p.parse_args()
 
+    kept = not args.glibc_default and keep_freed_memory()
     path = resolve_model(args.model)
     args.engine_dtype = choose_dtype(args.engine_dtype)[0]  # both backends in the same dtype
     t0 = time.perf_counter()
@@ -96,7 +99,7 @@ def main():
         runs["plain_natural"].append(n_tok / s)
     med = {k: statistics.median(v) for k, v in runs.items()}
     summary = rollout.summarize(ro, ro.stats["seconds"])
-    res = dict(model=Path(path).name, dtype=args.engine_dtype, enforce_eager=args.enforce_eager,
+    res = dict(model=Path(path).name, dtype=args.engine_dtype, enforce_eager=args.enforce_eager, freed_memory_kept=kept,
                threads=torch.get_num_threads(), block_size=engine.llm.llm_engine.vllm_config.cache_config.block_size,
                prompts=len(prompts), n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
                engine_init_s=round(init_s, 1), **{f"{k}_tok_s": round(v, 1) for k, v in med.items()},

@@ -6,13 +6,14 @@
   2. log-probs: parallel.forward_pass with model.token_logprobs twice (reference, old) over two plain no-grad
      forwards of the same tokens on the bare model (one unpadded sequence at a time);
   plus the padding waste of each phase (share of computed tokens that are padding, micro-batched as train.py
-  does it), the dtype and the CPU's bf16 flags.
+  does it), the dtype and the CPU's bf16 flags. Each phase runs once untimed, then timed (a step after the first).
 
 The batch is rollout-like (the demo's shape): 24 SmolLM2 trajectories of 80-120 prompt and 64-192 response
 tokens, a third of them with an intervention (12 context tokens, action mask 0) after their first 64-token turn.
 
     python bench/train_bench.py                     # dtype auto (model.choose_dtype)
     python bench/train_bench.py --dtype float32 --micro-batch-size 4
+    python bench/train_bench.py --glibc-default      # without model.keep_freed_memory (before/after)
 """
 import argparse
 import json
@@ -106,10 +107,13 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=8, help="train.py's --micro-batch-size (the demo's: 8)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--glibc-default", action="store_true",
+                   help="leave glibc's malloc as it is (no model.keep_freed_memory), for a before/after")
     args = p.parse_args()
     M.quiet_logs()
     t_start = time.time()
     rank, world, _, device = parallel.init_distributed()
+    kept = not args.glibc_default and M.keep_freed_memory(device)
     dtype, why = M.choose_dtype(args.dtype, device)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bfloat16" else nullcontext
     path = M.resolve_model(args.model)
@@ -120,7 +124,8 @@ def main():
     words = set(text.split())
     flags = [f for f in ("avx512f", *M.CPU_BF16_FLAGS) if f in words]
     print(f"cpu: {cpu_name()} | flags: {' '.join(flags) or '-'} | threads {torch.get_num_threads()} | "
-          f"dtype {dtype} ({why})", flush=True)
+          f"dtype {dtype} ({why}) | freed memory {'kept' if kept else 'returned to the OS (glibc default)'}",
+          flush=True)
 
     tokenizer = M.load_tokenizer(path)
     bare = M.load_causal_lm(path).to(device)
@@ -135,50 +140,46 @@ def main():
     print(f"batch: {B} trajectories, {real_tokens} tokens ({batch['prompt_ids'].shape[1]} + "
           f"{batch['response_ids'].shape[1]} columns), micro-batch {mb}", flush=True)
 
-    # warm-up (oneDNN kernels, FSDP lazy init) on two short rows, outside the timings
-    warm = sorted(range(B), key=lambda i: len(trajs[i]["response_ids"]))[:2]
-    wbatch = to_batch([trajs[i] for i in warm], tokenizer.pad_token_id)
     lp = lambda m, x: M.token_logprobs(m, x["input_ids"], x["attention_mask"], x["response_start"],  # noqa: E731
                                        temperature=args.temperature)
-    for m in (ref, actor):
-        parallel.forward_pass(lambda x: lp(m, x), wbatch, mb, autocast, device)
-    plain_pass(bare, [trajs[i] for i in warm], autocast, grad=False, temperature=args.temperature)
-    plain_pass(bare, [trajs[i] for i in warm], autocast, grad=True, temperature=args.temperature)
-    bare.zero_grad(set_to_none=True)
-
-    say(f"warm-up done ({time.time() - t_start:.0f}s)")
-    # ---- 2. reference + old log-probs: parallel.forward_pass twice vs two plain no-grad forwards
-    parallel.micro_slices = train.micro_slices = _recording_micro_slices  # padding as cut (forward_pass, ppo_update)
-    SLICES.clear()
-    t0 = time.perf_counter()
-    ref_lp = parallel.forward_pass(lambda x: lp(ref, x), batch, mb, autocast, device)
-    old_lp = parallel.forward_pass(lambda x: lp(actor, x), batch, mb, autocast, device)
-    t_lp = time.perf_counter() - t0
-    lp_slices = list(SLICES)
-    t0 = time.perf_counter()
-    for _ in range(2):
-        plain_pass(bare, trajs, autocast, grad=False, temperature=args.temperature)
-    t_lp_plain = time.perf_counter() - t0
-    say(f"log-probs {t_lp:.1f}s, plain {t_lp_plain:.1f}s")
-
-    # ---- 1. the PPO update: train.ppo_update over the mini-batches as train.py's loop makes them
     action_mask = batch["action_mask"].float()
     score = torch.randint(0, 2, (B,), generator=torch.Generator().manual_seed(args.seed)).float()
     adv = (score - score.mean()) / (score.std() + 1e-6)
-    batch.update(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv[:, None] * action_mask, action_mask=action_mask)
     mini_size = B // 2  # train.py's default: half the batch
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(targs.seed + 1))
     minis = [perm[s:s + mini_size] for s in range(0, B, mini_size)]
-    SLICES.clear()
-    t0 = time.perf_counter()
-    for mini in minis:
-        train.ppo_update(actor, None, opt, None, batch, mini, targs, autocast, device)
-    t_up = time.perf_counter() - t0
-    up_slices = list(SLICES)
-    say(f"update {t_up:.1f}s")
-    t0 = time.perf_counter()
-    plain_pass(bare, trajs, autocast, grad=True, temperature=args.temperature)
-    t_up_plain = time.perf_counter() - t0
+    parallel.micro_slices = train.micro_slices = _recording_micro_slices  # padding as cut (forward_pass, ppo_update)
+
+    # Every phase runs twice on the same batch and the second run is timed: a training step after the first has its
+    # kernels, FSDP's lazy init, Adam's state and the allocator's memory ready, and so has every plain pass.
+    for timed in (False, True):
+        # ---- 2. reference + old log-probs: parallel.forward_pass twice vs two plain no-grad forwards
+        SLICES.clear()
+        t0 = time.perf_counter()
+        ref_lp = parallel.forward_pass(lambda x: lp(ref, x), batch, mb, autocast, device)
+        old_lp = parallel.forward_pass(lambda x: lp(actor, x), batch, mb, autocast, device)
+        t_lp = time.perf_counter() - t0
+        lp_slices = list(SLICES)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            plain_pass(bare, trajs, autocast, grad=False, temperature=args.temperature)
+        t_lp_plain = time.perf_counter() - t0
+
+        # ---- 1. the PPO update: train.ppo_update over the mini-batches as train.py's loop makes them
+        batch.update(old_logprobs=old_lp, ref_logprobs=ref_lp, advantages=adv[:, None] * action_mask,
+                     action_mask=action_mask)
+        SLICES.clear()
+        t0 = time.perf_counter()
+        for mini in minis:
+            train.ppo_update(actor, None, opt, None, batch, mini, targs, autocast, device)
+        t_up = time.perf_counter() - t0
+        up_slices = list(SLICES)
+        t0 = time.perf_counter()
+        plain_pass(bare, trajs, autocast, grad=True, temperature=args.temperature)
+        bare.zero_grad(set_to_none=True)
+        t_up_plain = time.perf_counter() - t0
+        say(f"{'timed' if timed else 'warm-up'}: log-probs {t_lp:.1f}s, plain {t_lp_plain:.1f}s; update {t_up:.1f}s, "
+            f"plain {t_up_plain:.1f}s ({time.time() - t_start:.0f}s)")
     # what the update does beyond forward + backward: clip + AdamW once per mini-batch (timed again on the actor)
     t0 = time.perf_counter()
     for _ in minis:
@@ -187,7 +188,7 @@ def main():
     t_opt = time.perf_counter() - t0
 
     res = dict(dtype=dtype, cpu=cpu_name(), bf16_flags=[f for f in flags if f in M.CPU_BF16_FLAGS],
-               tokens=real_tokens,
+               freed_memory_kept=kept, tokens=real_tokens,
                update_ratio=round(t_up_plain / t_up, 3), update_s=round(t_up, 2), update_plain_s=round(t_up_plain, 2),
                update_optimizer_s=round(t_opt, 2),
                update_ratio_without_optimizer=round(t_up_plain / max(t_up - t_opt, 1e-9), 3),
@@ -195,7 +196,8 @@ def main():
                logprobs_plain_s=round(t_lp_plain, 2),
                padding_waste_logprobs=round(padding_waste(lp_slices), 3),
                padding_waste_update=round(padding_waste(up_slices), 3),
-               peak_rss_gb=round(M.peak_rss_gb(), 1), load_average=[round(x, 2) for x in os.getloadavg()], seconds=round(time.time() - t_start, 1))
+               peak_rss_gb=round(M.peak_rss_gb(), 1), kernel_s=round(os.times().system, 1),
+               load_average=[round(x, 2) for x in os.getloadavg()], seconds=round(time.time() - t_start, 1))
     print(f"update    {real_tokens / t_up:7.0f} tok/s vs plain {real_tokens / t_up_plain:7.0f} tok/s: "
           f"ratio {res['update_ratio']:.2f} (target >= 0.8; {t_opt:.1f}s of {t_up:.1f}s is clip + AdamW, "
           f"without it {res['update_ratio_without_optimizer']:.2f}), padding {res['padding_waste_update']:.1%}")

@@ -62,3 +62,54 @@ def test_rollout_cli_is_quiet(tiny_model_dir, tmp_path):
     assert not [line for line in console if " INFO " in line], console
     assert "[setup] vllm engine dtype" in proc.stderr
     assert len(console) < 12, console  # ~50 lines of vLLM configuration and warnings before
+
+
+KEEP_FREED_PROBE = r"""
+import ctypes, json, sys
+import torch
+import model as M
+
+class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+SIZE = 64 << 20  # over glibc's largest mmap threshold (32 MB)
+
+def alloc_free():
+    x = torch.ones(SIZE // 4)          # float32, touched
+    during = libc.mallinfo2()
+    del x
+    after = libc.mallinfo2()
+    return dict(mmapped=during.hblkhd, heap_during=during.arena, heap_after=after.arena)
+
+out = dict(default=alloc_free(), cuda=M.keep_freed_memory("cuda"))
+out["after_cuda"] = alloc_free()
+out["applied"] = M.keep_freed_memory("cpu")
+out["kept"] = alloc_free()
+out["again"] = alloc_free()
+print(json.dumps(out))
+"""
+
+
+def test_keep_freed_memory_keeps_large_blocks_in_the_heap(tmp_path):
+    """glibc maps a 64 MB block on its own and unmaps it when freed (page faults on every reuse); after
+    keep_freed_memory("cpu") the block comes from the heap, stays there when freed and is reused. Not on CUDA."""
+    import subprocess
+    import sys
+
+    if not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    proc = subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE], capture_output=True, text=True,
+                          cwd=M.ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    size = 64 << 20
+    assert r["default"]["mmapped"] >= size                       # glibc's default: a mapping of its own
+    assert r["cuda"] is False and r["after_cuda"]["mmapped"] >= size   # a CUDA device leaves glibc alone
+    assert r["applied"] is True
+    assert r["kept"]["mmapped"] < size <= r["kept"]["heap_during"]   # from the heap now
+    assert r["kept"]["heap_after"] >= size                       # not returned to the OS when freed
+    assert r["again"]["heap_during"] == r["kept"]["heap_during"]     # and reused: the heap does not grow
