@@ -718,9 +718,11 @@ def compute_score(data_source, response, ground_truth, **kw):
 
 
 def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, first=False,
-                timeout=DEFAULT_TIMEOUT, workers=None):
+                last_number=None, timeout=DEFAULT_TIMEOUT, workers=None):
     """compute_score over a batch, results in input order. data_sources may be one string for the
-    whole batch; first: as in math_reward.
+    whole batch; first: as in math_reward. last_number: None lets LAST_NUMBER_SOURCES fall back to the
+    last number (scoring prose answers); False counts explicit answers only, the paper's training reward
+    (no answer = 0; the reference's verl GSM8K reward is 'strict' too). Registered rewards ignore it.
 
     length_coef > 0 adds the usual length-penalty baseline, a constant cost per response token
     on every response, correct or not: score_i = acc_i - length_coef * lengths[i], with lengths[i]
@@ -745,7 +747,7 @@ def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_
         elif fn is not None:
             out[i] = _as_result(fn(src, resp, gt))
         else:
-            pred = extract_answer(resp, name in LAST_NUMBER_SOURCES, first=first)
+            pred = extract_answer(resp, name in LAST_NUMBER_SOURCES and last_number is not False, first=first)
             verdict = pred is not None and _decide_fast(pred, _golds(gt))
             out[i] = _math_result(pred, bool(verdict))
             if verdict is None:

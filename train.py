@@ -255,14 +255,16 @@ def turn_settings(run, args):
 
 
 def score(trajs, records, args):
-    """Binary accuracy of each trajectory's final answer, read from the policy's own text (never an
-    intervention); the first answer when turns are cut at it, else the last. --length-coef subtracts a
-    cost per policy token (interventions are not the policy's)."""
+    """Binary accuracy of each trajectory's final explicit answer, read from the policy's own text (never an
+    intervention); the first answer when turns are cut at it, else the last. No explicit answer scores 0, as in
+    the paper, also where eval.py would read the last number: the reward then asks for what the turn rule does.
+    --length-coef subtracts a cost per policy token (interventions are not the policy's)."""
     recs = [records[t["prompt_index"]] for t in trajs]
     length = ({"length_coef": args.length_coef, "lengths": [sum(t["action_mask"]) for t in trajs]}
               if args.length_coef else {})
     return reward.score_batch([r["data_source"] for r in recs], [t["policy_text"] for t in trajs],
-                              [r["ground_truth"] for r in recs], first=args.cut_at_answer, **length)
+                              [r["ground_truth"] for r in recs], first=args.cut_at_answer, last_number=False,
+                              **length)
 
 
 def no_grad_passes(run, args, batch, bar):

@@ -6,6 +6,7 @@ import torch
 
 import model as M
 import parallel
+import reward
 import train
 
 
@@ -38,6 +39,22 @@ def test_length_coef_charges_every_policy_token_and_only_those():
         got = train.score(trajs, records, args)
         assert [r["acc"] for r in got] == [1.0, 0.0]
         assert [r["score"] for r in got] == pytest.approx([1.0 - coef * 15, 0.0 - coef * 20])
+
+
+def test_training_reward_needs_an_explicit_answer():
+    """The paper's reward (no answer = 0): a right last number without 'Answer:' earns nothing in training, though
+    reward.score_batch's default (eval.py) reads the last number of GSM8K-style sources."""
+    records = [{"data_source": "arith", "ground_truth": "12"}, {"data_source": "openai/gsm8k", "ground_truth": "7"}]
+    trajs = [dict(prompt_index=0, policy_text="5 + 7 = 12", action_mask=[1] * 6),
+             dict(prompt_index=0, policy_text="5 + 7 = 12\nAnswer: 12", action_mask=[1] * 8),
+             dict(prompt_index=1, policy_text="she has 7 left", action_mask=[1] * 4),
+             dict(prompt_index=1, policy_text=r"so \boxed{7}", action_mask=[1] * 4)]
+    got = train.score(trajs, records, SimpleNamespace(cut_at_answer=True, length_coef=0.0))
+    assert [r["score"] for r in got] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["has_answer"] for r in got] == [0.0, 1.0, 0.0, 1.0]
+    lenient = reward.score_batch([records[t["prompt_index"]]["data_source"] for t in trajs],
+                                 [t["policy_text"] for t in trajs], ["12", "12", "7", "7"], first=True)
+    assert [r["score"] for r in lenient] == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_grpo_advantages_ignore_the_kl():
