@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not vllm and not dist" tests
 
 # The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores,
-# ~12 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;
+# 5-7 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;
 # the reference turn rule (an answerless turn gets an intervention) with the 'answer-line'
 # prompt, whose one worked example gets the 135M model to write 'Answer:' at all; GRPO (no
 # critic: a zero-initialised critic learns nothing in 12 steps) with one optimiser step per
