@@ -392,12 +392,14 @@ def wants_intervention(answered, hit_budget, rule="reference"):
     return not answered and (hit_budget or rule == "reference")
 
 
-def answer_prefix(token_ids, decode, cut_at_answer=True):
+def answer_prefix(token_ids, decode, cut_at_answer=True, eos=()):
     """(n_keep, answer): the turn's explicit answer (reward.find_answer, so the turn rule and the reward
     read answers alike) and how many of its tokens to keep. With cut_at_answer, as the reference cuts
     turns (mutis/llm_agent/generation.py, _postprocess_responses), n_keep is the shortest token prefix
-    whose text holds the complete first answer: what follows (more reasoning, a second answer, EOS)
-    never enters training. Works on ids: the kept tokens are the model's own, never re-tokenized."""
+    whose text holds the complete first answer: what follows (more reasoning, a second answer) never
+    enters training. An end-of-turn id (`eos`) right after that prefix stays: the model stopped on its
+    answer, and a policy never trained on that stop would run on to the budget when nothing cuts it
+    (eval.py). Works on ids: the kept tokens are the model's own, never re-tokenized."""
     found = find_answer(decode(token_ids), first=cut_at_answer)
     if found is None or not cut_at_answer:
         return len(token_ids), found
@@ -410,6 +412,8 @@ def answer_prefix(token_ids, decode, cut_at_answer=True):
             lo = mid + 1
     while lo < len(token_ids) and find_answer(decode(token_ids[:lo]), first=True) != found:
         lo += 1  # a token boundary that decodes differently (merged spaces, split characters)
+    if lo < len(token_ids) and token_ids[lo] in eos:
+        lo += 1
     return lo, found
 
 
@@ -491,7 +495,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
         still = []
         for t, c, budget in zip(active, outs, budgets):
             assert len(c.token_ids) <= budget, "engine exceeded max_tokens"
-            keep, found = answer_prefix(c.token_ids, decode, cut_at_answer)
+            keep, found = answer_prefix(c.token_ids, decode, cut_at_answer, eos)
             hit_budget = not c.stopped and budget == turn_tokens  # a smaller budget is a cap: no room to go on
             intervene = wants_intervention(found is not None, hit_budget, turn_rule)
             if intervene and c.stopped and c.token_ids and c.token_ids[-1] in eos:

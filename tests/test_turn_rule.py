@@ -85,9 +85,9 @@ def test_budget_cut_turn_with_an_answer_ends_cut_after_the_brace(tok, iv):
 def test_answerless_eos_turn_gets_an_intervention_and_loses_its_eos(tok, iv):
     first, second = ids(tok, "I think it is four.", EOS), ids(tok, "So \\boxed{4}", ALT_EOS)
     (t,), engine = run(tok, iv, [[first, second]], turn_tokens=64)
-    assert t["response_ids"] == first[:-1] + iv + second[:-1]  # neither EOS is an action: both cut
-    assert t["action_mask"] == [1] * (len(first) - 1) + [0] * len(iv) + [1] * (len(second) - 1)
-    assert EOS not in t["response_ids"] and ALT_EOS not in t["response_ids"]
+    assert t["response_ids"] == first[:-1] + iv + second  # the answerless turn's EOS is cut; the answer's stays
+    assert t["action_mask"] == [1] * (len(first) - 1) + [0] * len(iv) + [1] * len(second)
+    assert EOS not in t["response_ids"]
     assert (t["turns"], t["interventions"], t["answered"], t["finished"]) == (2, 1, True, True)
     assert engine.requests[0] == (["</answer>"], [ALT_EOS, EOS])  # every end-of-turn id, the stop string
 
@@ -139,7 +139,7 @@ def test_the_rule_itself():
 @pytest.mark.parametrize("text,kept,answer", [
     ("So <answer>4</answer> and more <answer>5</answer>", "So <answer>4</answer>", "4"),
     ("Work.\nFinal Answer: 4\n\nBut wait, maybe 5.", "Work.\nFinal Answer: 4", "4"),
-    ("Answer: 4 is what I get", "Answer: 4 is what I get", "4 is what I get"),
+    ("Answer: 4 is what I get\n\nor not", "Answer: 4 is what I get", "4 is what I get"),
     ("First \\boxed{\\frac{1}{2}} then \\boxed{3}", "First \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
 ])
 def test_cut_keeps_the_shortest_prefix_with_the_first_answer(tok, iv, text, kept, answer):
@@ -149,6 +149,26 @@ def test_cut_keeps_the_shortest_prefix_with_the_first_answer(tok, iv, text, kept
     assert t["response_ids"] == script[:n] and tok.decode(t["response_ids"]) == kept
     assert reward.find_answer(tok.decode(script[:n - 1]), first=True) != reward.find_answer(kept, first=True)
     assert reward.extract_answer(t["policy_text"], first=True) == answer
+
+
+@pytest.mark.parametrize("end", [EOS, ALT_EOS])
+def test_an_end_of_turn_right_after_the_answer_is_kept(tok, iv, end):
+    """The cut drops what follows the first answer, but not the model's own stop right after it: a policy that
+    never saw that stop in training would, uncut, run on to the budget."""
+    script = ids(tok, "6 + 9 = 15.\nAnswer: 15.", end)
+    (t,), _ = run(tok, iv, [[script]], turn_tokens=64)
+    assert t["response_ids"] == script and t["action_mask"] == [1] * len(script) and t["cut_turns"] == 0
+    assert (t["answered"], t["finished"], t["hit_cap"]) == (True, True, False)
+    (r,) = reward.score_batch(["arith"], [t["policy_text"]], ["15"], first=True, last_number=False)
+    assert r["acc"] == 1.0
+    # a repeated answer line before the stop: the paragraph with the first answer is kept whole, the stop too
+    looping = ids(tok, "Answer: 15.\nAnswer: 15.", end)
+    (u,), _ = run(tok, iv, [[looping]], turn_tokens=64)
+    assert u["response_ids"] == looping
+    # text after the answer's paragraph: cut there, and the later stop goes with it
+    more = ids(tok, "Answer: 15.\n\nLet me check: 6 + 9 = 15.", end)
+    (v,), _ = run(tok, iv, [[more]], turn_tokens=64)
+    assert v["response_ids"] == ids(tok, "Answer: 15.") and v["cut_turns"] == 1
 
 
 def test_an_intervention_is_never_read_as_the_answer(tok):
