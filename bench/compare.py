@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,14 @@ def last_line(log):
     return (lines[-1].removeprefix("error: ")[:200]) if lines else "no output"
 
 
+def failure(code, log):
+    """Why a child failed: the signal that killed it (its log then ends mid-line), else its log's last line."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (", as the out-of-memory killer does" if name == "SIGKILL" else "")
+    return last_line(log)
+
+
 def train_run(name, seed, args, out, launcher):
     """train.py with args (base + the run's extra) at this seed into OUT/<name>-s<seed>; compare.json on success."""
     d = out / f"{name}-s{seed}"
@@ -181,8 +190,8 @@ def train_run(name, seed, args, out, launcher):
            "--seed", str(seed), "--out", str(d)]
     print(f"[{name} s{seed}] {RUNS[name][0]}; log {d / 'train.log'}", flush=True)
     t0 = time.time()
-    if stream(cmd, d / "train.log", f"{name} s{seed}"):
-        sys.exit(f"error: run {name} (seed {seed}) failed ({last_line(d / 'train.log')}); log: {d / 'train.log'}")
+    if code := stream(cmd, d / "train.log", f"{name} s{seed}"):
+        sys.exit(f"error: run {name} (seed {seed}) failed ({failure(code, d / 'train.log')}); log: {d / 'train.log'}")
     write_atomic(d / "compare.json", json.dumps({"run": name, "seed": seed, "wall_s": round(time.time() - t0, 1),
                                                  "args": args, "command": cmd}, indent=2) + "\n")
 
@@ -220,8 +229,8 @@ def summarize(out, ta, base, cap, T, opts, notes):
     print(f"[eval] the untrained model and {len(found)} checkpoints on {ta.val_data}; log {out / 'eval.log'}",
           flush=True)
     t0 = time.time()
-    if stream([sys.executable, str(ROOT / "eval.py"), *argv], out / "eval.log", "eval", show=None):
-        sys.exit(f"error: eval.py failed ({last_line(out / 'eval.log')}); log: {out / 'eval.log'}")
+    if code := stream([sys.executable, str(ROOT / "eval.py"), *argv], out / "eval.log", "eval", show=None):
+        sys.exit(f"error: eval.py failed ({failure(code, out / 'eval.log')}); log: {out / 'eval.log'}")
     eval_s = time.time() - t0
     results = json.loads((out / "eval" / "summary.json").read_text())["results"]
     capped = at_cap(out / "eval" / "samples.jsonl", ta.val_data, cap)

@@ -156,3 +156,20 @@ def test_at_cap_counts_responses_that_used_the_whole_cap(tmp_path):
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps({"checkpoint": c, "benchmark": b, "num_tokens": t}) + "\n" for c, b, t in rows))
     assert compare.at_cap(path, "arith_test", 264) == {"a": 0.5, "b": 0.0}
+
+
+def test_a_killed_run_is_named_by_its_signal(tmp_path):
+    """A run the kernel killed leaves a log ending mid-progress-bar: the error names the signal, not that line."""
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "train.log"
+    log.write_text("step 3 update:   0%|          | 0/1\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.send_signal(signal.SIGKILL)
+    code = proc.wait()
+    assert compare.failure(code, log) == "killed by SIGKILL, as the out-of-memory killer does"
+    assert compare.failure(-signal.SIGTERM, log) == "killed by SIGTERM"
+    log.write_text("step 1 ...\nerror: --data x: no such file\n")
+    assert compare.failure(2, log) == "--data x: no such file"
