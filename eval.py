@@ -393,9 +393,9 @@ def main(argv=None):
     from model import keep_freed_memory, quiet_logs
 
     quiet_logs(args.verbose)
-    keep_freed_memory()
     if args.score:
         return score_file(args)
+    keep_freed_memory()
     if not args.checkpoints:
         die("give at least one checkpoint (or --score FILE)")
     if len(set(args.checkpoints)) < len(args.checkpoints):

@@ -85,6 +85,11 @@ def cpu_bf16_native():
     return False, f"CPU without {'bf16' if arm else '/'.join(CPU_BF16_FLAGS)}: bf16 would be emulated"
 
 
+def default_device(device=None):
+    """torch.device(device), or where a model runs when none is given: cuda when available, else cpu."""
+    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def choose_dtype(requested="auto", device=None, engine=None):
     """The compute dtype -> (name, reason). Explicit values pass through ("requested"). 'auto': bf16 on a CUDA
     device that supports it, on a CPU only where the processor computes bf16 natively (cpu_bf16_native),
@@ -94,7 +99,7 @@ def choose_dtype(requested="auto", device=None, engine=None):
         return requested, "requested"
     if engine == "hf":
         return "float32", "hf engine: float32 unless asked"
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     if device.type == "cuda":
         return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float32", "CUDA without bf16")
     if device.type != "cpu":
@@ -415,11 +420,11 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc mallopt() parameters (malloc.h)
 
 
 def keep_freed_memory(device=None):
-    """On a CPU device (default: cpu unless CUDA is available), let glibc keep freed memory for reuse. By default it hands every block over 32 MB (a
-    logits chunk, the embedding and its gradient, optimiser temporaries) back to the kernel and page-faults it in
-    again on the next allocation, every micro-batch. The peak is unchanged; freed memory stays with the process
-    until it exits. Returns whether it applied (not on CUDA, nor without glibc)."""
-    if torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type != "cpu":
+    """On a CPU device (default_device), let glibc keep freed memory for reuse. By default it hands every block
+    over 32 MB (a logits chunk, the embedding and its gradient, optimiser temporaries) back to the kernel and
+    page-faults it in again on the next allocation, every micro-batch. The peak is unchanged; freed memory stays
+    with the process until it exits. Returns whether it applied (not on CUDA, nor without glibc)."""
+    if default_device(device).type != "cpu":
         return False
     import ctypes
 

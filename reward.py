@@ -718,9 +718,9 @@ def compute_score(data_source, response, ground_truth, **kw):
 
 
 def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, first=False,
-                last_number=None, timeout=DEFAULT_TIMEOUT, workers=None):
+                last_number=True, timeout=DEFAULT_TIMEOUT, workers=None):
     """compute_score over a batch, results in input order. data_sources may be one string for the
-    whole batch; first: as in math_reward. last_number: None lets LAST_NUMBER_SOURCES fall back to the
+    whole batch; first: as in math_reward. last_number: True lets LAST_NUMBER_SOURCES fall back to the
     last number (scoring prose answers); False counts explicit answers only, the paper's training reward
     (no answer = 0; the reference's verl GSM8K reward is 'strict' too). Registered rewards ignore it.
 
@@ -747,7 +747,7 @@ def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_
         elif fn is not None:
             out[i] = _as_result(fn(src, resp, gt))
         else:
-            pred = extract_answer(resp, name in LAST_NUMBER_SOURCES and last_number is not False, first=first)
+            pred = extract_answer(resp, name in LAST_NUMBER_SOURCES and last_number, first=first)
             verdict = pred is not None and _decide_fast(pred, _golds(gt))
             out[i] = _math_result(pred, bool(verdict))
             if verdict is None:

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import (ArgumentParser, choose_dtype, die, end_of_turn_ids, keep_freed_memory, load_causal_lm, load_tokenizer,
-                   quiet_logs, resolve_model)
+from model import (ArgumentParser, choose_dtype, default_device, die, end_of_turn_ids, keep_freed_memory, load_causal_lm,
+                   load_tokenizer, quiet_logs, resolve_model)
 from data import write_atomic
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
@@ -241,7 +241,7 @@ class HFEngine:
     """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
 
     def __init__(self, model_path, dtype, seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = default_device(device)
         self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
                                     attn_implementation=attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
