@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import packing
 from data import ArgumentParser, die  # noqa: F401 (also used as model.ArgumentParser)
 
 ROOT = Path(__file__).resolve().parent
@@ -282,7 +283,7 @@ def end_of_turn_ids(path, tokenizer):
     return sorted(ids)
 
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+ATTN_IMPLEMENTATIONS = (packing.VARLEN, "sdpa", "flash_attention_2", "eager")
 
 
 def check_attn_implementation(name, device=None):
@@ -294,15 +295,17 @@ def check_attn_implementation(name, device=None):
     if name == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
             die("--attn-implementation flash_attention_2: flash-attn is not installed "
-                "(pip install -e '.[flash]' on a CUDA machine), or use sdpa")
+                "(pip install -e '.[flash]' on a CUDA machine), or use varlen")
         if device is not None and torch.device(device).type != "cuda":
-            die("--attn-implementation flash_attention_2 needs a CUDA device; use sdpa on CPU")
+            die("--attn-implementation flash_attention_2 needs a CUDA device; use varlen on CPU")
     return name
 
 
 def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa"):
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == packing.VARLEN:
+        packing.register_varlen_attention()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
@@ -327,16 +330,14 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, response_start):
-        """V(state before response token t) for t < R, read at position response_start-1+t -> [B, R]: the same
-        alignment as token_logprobs (position p's hidden state sees tokens <= p, so the value for response
-        token t is computed where that token's log-prob is predicted)."""
+    def forward(self, mb):
+        """V(state before response token t) of a packed micro-batch (packing.pack) -> [b, r], read where that token's
+        log-prob is predicted (the same alignment as token_logprobs: a hidden state sees the tokens up to its own)."""
         # One forward through the root module, so FSDP2 unshards the head together with the rest.
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        hidden = out.last_hidden_state[:, response_start - 1:-1]  # [B, R, H]
+        out = self.backbone(**packing.model_inputs(mb), use_cache=False)
+        hidden = out.last_hidden_state[0, mb["token_index"]]  # [N, H]
         # a copy, not a view: FSDP2 hooks on a returned view are lost by in-place ops
-        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [B, R]
+        return packing.unpack(self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True), mb)  # [b, r]
 
 
 def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
@@ -344,6 +345,8 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
     from safetensors.torch import load_file
     from transformers import AutoModel
 
+    if attn_implementation == packing.VARLEN:
+        packing.register_varlen_attention()
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     critic = ValueModel(backbone)
     head_file = Path(path) / VALUE_HEAD_FILE
@@ -353,11 +356,6 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
 
 
 # ----------------------------------------------------------------------------- log-probs
-
-def position_ids_from_mask(attention_mask):
-    """Left-padded prompts: the first real token is position 0, padding is clamped to 0. [B, L]"""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
 
 def _head_chunk(hidden, weight, bias, targets, temperature, with_entropy):
     # hidden [N, H] -> logits [N, V] in fp32 for this chunk only. The head is linear, so dividing
@@ -371,47 +369,41 @@ def _head_chunk(hidden, weight, bias, targets, temperature, with_entropy):
     return logp, entropy
 
 
-def token_logprobs(model, input_ids, attention_mask, response_start, temperature=1.0, with_entropy=False,
-                   chunk_size=512):
-    """log p(input_ids[:, t] | input_ids[:, :t]) for the response tokens t >= response_start.
+def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=512):
+    """log p(token t | tokens < t) of every response token of a packed micro-batch (packing.pack) -> logprobs [b, r]
+    (and the entropy [b, r] of the tempered distribution when with_entropy), 0 where a row has no response token.
 
-    input_ids/attention_mask [B, L] (prompt left-padded, response right-padded); returns
-    logprobs [B, R] (and entropy [B, R] of the tempered distribution when with_entropy), R = L -
-    response_start. Padding positions hold garbage: mask them. Logits are divided by the
-    rollout temperature. Never builds [B, L, V]: the LM head + log-softmax run over chunks
-    of `chunk_size` positions, each under activation checkpointing, so backward keeps only
-    the [N, H] hidden chunk and recomputes its [N, V] logits.
+    Logits are divided by the rollout temperature. Never builds [T, V]: the LM head + log-softmax run over chunks of
+    `chunk_size` response tokens, each under activation checkpointing, so backward keeps only the [n, H] hidden chunk
+    and recomputes its [n, V] logits.
 
-    FSDP2: everything goes through the root module's forward (logits_to_keep=1, so the head
-    there costs one position) and a forward hook catches the backbone's final hidden state.
-    The root's own parameters (embeddings, norm, tied head) stay unsharded after its forward
-    and are reduce-scattered by FSDP's end-of-backward callback, so the head weight read
-    afterwards is the full one and its gradient is reduced. Plain HF models take the same path.
+    FSDP2: everything goes through the root module's forward (logits_to_keep=1, so the head there costs one
+    position) and a forward hook catches the backbone's final hidden state. The root's own parameters (embeddings,
+    norm, tied head) stay unsharded after its forward and are reduce-scattered by FSDP's end-of-backward callback,
+    so the head weight read afterwards is the full one and its gradient is reduced. Plain HF models take the same
+    path.
     """
     assert temperature > 0, "greedy rollouts have no log-probs to match: use temperature > 0"
     captured = {}
     hook = model.base_model.register_forward_hook(
         lambda module, args, out: captured.__setitem__("hidden", out.last_hidden_state))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-              use_cache=False, logits_to_keep=1)
+        model(**packing.model_inputs(mb), use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
-    hidden = captured["hidden"][:, response_start - 1:-1]  # [B, R, H]: position p predicts token p+1
-    B, R, H = hidden.shape
-    hidden = hidden.reshape(B * R, H)
-    targets = input_ids[:, response_start:].reshape(B * R)
+    hidden = captured["hidden"][0, mb["token_index"]]        # [N, H]: position p predicts token p+1
+    targets = mb["input_ids"][0, mb["token_index"] + 1]      # [N]
     head = model.get_output_embeddings()
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     logps, entropies = [], []
-    for s in range(0, B * R, chunk_size):
+    for s in range(0, max(len(targets), 1), chunk_size):  # one empty chunk keeps the graph when N = 0
         args = (hidden[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature,
                 with_entropy)
         logp, entropy = checkpoint(_head_chunk, *args, use_reentrant=False) if checkpointed else _head_chunk(*args)
         logps.append(logp)
         entropies.append(entropy)
-    logp = torch.cat(logps).view(B, R)
-    return (logp, torch.cat(entropies).view(B, R)) if with_entropy else logp
+    logp = packing.unpack(torch.cat(logps), mb)              # [b, r]
+    return (logp, packing.unpack(torch.cat(entropies), mb)) if with_entropy else logp
 
 
 # ----------------------------------------------------------------------------- system

@@ -1,5 +1,5 @@
-"""Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, micro-batches,
-sharded checkpoints and the Hugging Face export.
+"""Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, sharded checkpoints
+and the Hugging Face export (micro-batches: packing.py).
 
 Plumbing only: the method lives in rollout.py (sampling), reward.py, ppo.py and train.py; this file makes it
 run on one rank or many. Every function that gathers or reduces is a collective: every rank calls it.
@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from data import die
 from model import VALUE_HEAD_FILE, ValueModel
@@ -119,57 +118,6 @@ def check_shared_out(out, rank, world, device):
     if missing:
         die(f"--out {out}: {int(missing)} of {world} ranks do not see the file rank 0 wrote there; --out must be "
             f"on a filesystem shared by every node (checkpoints and metrics are written by rank 0 and read by all)")
-
-
-# ----------------------------------------------------------------------------- micro-batches
-
-def micro_slices(batch, rows, device):
-    """Cut a micro-batch of rows, drop the columns that are padding in all of them, move to device."""
-    prompt_mask = batch["prompt_mask"][rows]                  # [b, P]
-    response_mask = batch["response_mask"][rows]              # [b, R]
-    first = int(prompt_mask.any(0).float().argmax())          # left padding shared by every row
-    last = max(int(response_mask.sum(1).max()), 1)            # right padding shared by every row
-    out = {k: v[rows][:, :last] for k, v in batch.items()
-           if torch.is_tensor(v) and v.dim() == 2 and k not in ("prompt_ids", "prompt_mask")}
-    out["input_ids"] = torch.cat([batch["prompt_ids"][rows][:, first:], batch["response_ids"][rows][:, :last]], 1)
-    out["attention_mask"] = torch.cat([prompt_mask[:, first:], response_mask[:, :last]], 1)
-    out = {k: v.to(device) for k, v in out.items()}
-    out["response_start"] = batch["prompt_ids"].shape[1] - first
-    return out
-
-
-def micro_batches(batch, rows, size):
-    """Split rows into micro-batches of rows with similar response lengths: micro_slices then drops only the
-    columns that are padding in all of a micro-batch's rows. About half the padding of rows taken in order,
-    the same number of micro-batches (FSDP needs the same number of calls on every rank)."""
-    rows = rows[torch.argsort(batch["response_mask"][rows].sum(1), stable=True)]
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
-
-
-def padding_counts(batch, groups):
-    """{"padding", "computed"}: tokens micro_slices computes for these micro-batches, and how many are padding."""
-    computed = real = 0
-    for rows in groups:
-        prompt_mask, response_mask = batch["prompt_mask"][rows], batch["response_mask"][rows]
-        width = prompt_mask.shape[1] - int(prompt_mask.any(0).float().argmax()) + max(int(response_mask.sum(1).max()), 1)
-        computed += len(rows) * width
-        real += int(prompt_mask.sum() + response_mask.sum())
-    return {"padding": computed - real, "computed": computed}
-
-
-def forward_pass(fn, batch, micro_size, autocast, device, desc=None):
-    """Run fn over micro-batches (micro_batches) without gradients; return [B, R] on the batch's full width,
-    in batch order. desc: a transient progress bar with this label (None: no bar, e.g. on ranks other than 0)."""
-    B, R = batch["response_ids"].shape
-    out = torch.zeros(B, R)
-    for rows in tqdm(micro_batches(batch, torch.arange(B), micro_size), desc=desc, disable=desc is None,
-                     leave=False, unit="micro"):
-        with torch.no_grad(), autocast():
-            res = fn(micro_slices(batch, rows, device)).float()   # [b, r]
-        out[rows, :res.shape[1]] = res.cpu()
-    return out
-
-
 
 
 # ----------------------------------------------------------------------------- checkpoints and export

@@ -242,6 +242,8 @@ class HFEngine:
 
     def __init__(self, model_path, dtype, seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
         self.device = default_device(device)
+        if attn_implementation == "varlen":  # the trainer's kernel for packed rows; generation pads and masks
+            attn_implementation = "sdpa"
         self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
                                     attn_implementation=attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
@@ -600,8 +602,10 @@ def sampling_flags(**defaults):
                                              "float32; float32 for --engine hf) | bfloat16 | float32 | float16")
     a("--gpu-memory-utilization", type=float, default=0.5, help="vLLM share of GPU memory (default: %(default)s)")
     a("--enforce-eager", action="store_true", help="vLLM without compilation (faster start-up)")
-    a("--attn-implementation", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
-      help="transformers attention (trainer models, --engine hf); flash_attention_2 needs flash-attn and CUDA")
+    a("--attn-implementation", default="varlen", choices=["varlen", "sdpa", "flash_attention_2", "eager"],
+      help="transformers attention of the trainer's packed micro-batches (varlen: torch's varlen flash kernel on CUDA, "
+           "one causal SDPA per sequence elsewhere) and of --engine hf (varlen there means sdpa); flash_attention_2 "
+           "needs flash-attn and CUDA")
     a("--rollout-timeout", type=float, default=None, help="seconds per engine call before failing")
     a("--verbose", action="store_true", help="show vLLM's and transformers' info logs")
     p.set_defaults(**defaults)

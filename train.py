@@ -44,8 +44,9 @@ import reward
 import rollout
 from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, keep_freed_memory,
                    load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
-from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, forward_pass, full_state_dict, init_distributed,
-                      load_checkpoint, micro_batches, micro_slices, padding_counts, save_checkpoint, shard)
+from packing import forward_pass, micro_batches, pack, padding_counts
+from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
+                      load_checkpoint, save_checkpoint, shard)
 
 
 def parse_args(argv=None):
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     a("--mini-batch-size", type=int, default=None,
       help="trajectories per optimiser step, global (default: half the batch, two steps as in the reference run)")
     a("--micro-batch-size", type=int, default=4, help="trajectories per forward/backward on one rank")
+    a("--micro-batch-tokens", type=int, default=None,
+      help="fill each forward/backward up to this many tokens (prompt + response) instead of --micro-batch-size "
+           "trajectories: a few long trajectories and many short ones each use the GPU well")
     a("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     # optimisation
     a("--actor-lr", type=float, default=1e-6, help="actor learning rate")
@@ -117,7 +121,8 @@ def parse_args(argv=None):
 def check_args(args):
     """Flags that cannot work fail here, in one line, before any model loads."""
     rollout.check_sampling_args(args)
-    for flag in ("steps", "epochs", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "val_limit",
+    for flag in ("steps", "epochs", "batch_size", "mini_batch_size", "micro_batch_size", "micro_batch_tokens", "ppo_epochs",
+                 "val_limit",
                  "max_bad_steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -271,16 +276,14 @@ def no_grad_passes(run, args, batch, bar):
     """Reference log-probs, old log-probs (None when the update's own forward supplies them: run.reuse_old)
     and old values (None without a critic), each [B, R]."""
     def lp(model):
-        return lambda mb: token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["response_start"],
-                                         temperature=args.temperature)
+        return lambda mb: token_logprobs(model, mb, temperature=args.temperature)
 
-    fwd = dict(micro_size=args.micro_batch_size, autocast=run.autocast, device=run.device)
+    fwd = dict(size=args.micro_batch_size, tokens=args.micro_batch_tokens, autocast=run.autocast, device=run.device)
     ref = forward_pass(lp(run.ref), batch, **fwd, desc=bar("ref logprobs"))
     old = None if run.reuse_old else forward_pass(lp(run.actor), batch, **fwd, desc=bar("old logprobs"))
     values = None
     if run.critic is not None:
-        values = forward_pass(lambda mb: run.critic(mb["input_ids"], mb["attention_mask"], mb["response_start"]),
-                              batch, **fwd, desc=bar("values"))
+        values = forward_pass(run.critic, batch, **fwd, desc=bar("values"))
     return ref, old, values
 
 
@@ -314,9 +317,10 @@ def ppo_epochs(run, args, batch, step, desc=None):
     for _ in range(args.ppo_epochs):
         perm = torch.randperm(rows, generator=gen)
         for start in range(0, rows, local_mini):
-            mini = perm[start:start + local_mini]
-            groups += micro_batches(batch, mini, args.micro_batch_size)
-            s, n_skipped = ppo_update(run.actor, run.critic, run.actor_opt, run.critic_opt, batch, mini, args,
+            micro = micro_batches(batch, perm[start:start + local_mini], args.micro_batch_size,
+                                  args.micro_batch_tokens, run.device)
+            groups += micro
+            s, n_skipped = ppo_update(run.actor, run.critic, run.actor_opt, run.critic_opt, batch, micro, args,
                                       run.autocast, run.device)
             stats.append(s)
             skipped += n_skipped
@@ -327,16 +331,17 @@ def ppo_epochs(run, args, batch, step, desc=None):
     return stats, skipped, groups
 
 
-def ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast, device):
-    """One optimiser step of the actor and one of the critic on a mini-batch of trajectories (this rank's
-    rows `mini`) -> (statistics averaged over every rank's action tokens, number of skipped steps)."""
-    tokens = all_reduce_sum([float(batch["action_mask"][mini].sum())], device)[0]  # the global mini-batch's
-    stats, ok = accumulate_and_step(actor, actor_opt, lambda mb: actor_loss(actor, mb, args), batch, mini, tokens,
+def ppo_update(actor, critic, actor_opt, critic_opt, batch, micro, args, autocast, device):
+    """One optimiser step of the actor and one of the critic on a mini-batch of trajectories (this rank's rows, cut
+    into micro-batches `micro`: packing.micro_batches) -> (statistics averaged over every rank's action tokens,
+    number of skipped steps)."""
+    tokens = all_reduce_sum([float(batch["action_mask"][torch.cat(micro)].sum())], device)[0]  # the global mini-batch's
+    stats, ok = accumulate_and_step(actor, actor_opt, lambda mb: actor_loss(actor, mb, args), batch, micro, tokens,
                                     args, autocast, device, "actor/grad_norm")
     skipped = int(not ok)
     if critic is not None:
         critic_stats, ok = accumulate_and_step(critic, critic_opt, lambda mb: critic_loss(critic, mb, args), batch,
-                                               mini, tokens, args, autocast, device, "critic/grad_norm")
+                                               micro, tokens, args, autocast, device, "critic/grad_norm")
         stats.update(critic_stats)
         skipped += not ok
     return stats, skipped
@@ -345,8 +350,7 @@ def ppo_update(actor, critic, actor_opt, critic_opt, batch, mini, args, autocast
 def actor_loss(actor, mb, args):
     """PPO clipped surrogate - entropy bonus (+ KL-to-reference loss, GRPO) on one micro-batch."""
     mask = mb["action_mask"]                                                         # [b, r]
-    logprobs, entropy = token_logprobs(actor, mb["input_ids"], mb["attention_mask"], mb["response_start"],
-                                       temperature=args.temperature, with_entropy=True)  # [b, r] each
+    logprobs, entropy = token_logprobs(actor, mb, temperature=args.temperature, with_entropy=True)  # [b, r] each
     s = {}
     old = mb.get("old_logprobs")                                                     # [b, r]
     if old is None:  # the one optimiser step on this batch: pi_old is the policy computing these log-probs
@@ -369,14 +373,14 @@ def actor_loss(actor, mb, args):
 
 def critic_loss(critic, mb, args):
     """Clipped value loss on one micro-batch."""
-    v = critic(mb["input_ids"], mb["attention_mask"], mb["response_start"])          # [b, r]
+    v = critic(mb)                                                                   # [b, r]
     loss, s = ppo.value_loss(v.float(), mb["old_values"], mb["returns"], mb["action_mask"], args.value_clip,
                              args.loss_agg)
     return loss, {"loss/vf": loss.detach(), **{f"critic/{k}": val for k, val in s.items()}}
 
 
-def accumulate_and_step(model, opt, loss_fn, batch, mini, tokens, args, autocast, device, norm_key="grad_norm"):
-    """Accumulate loss_fn's gradients over micro-batches, then one clipped optimiser step, skipped on every
+def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocast, device, norm_key="grad_norm"):
+    """Accumulate loss_fn's gradients over the micro-batches `micro` (row-index tensors), then one clipped optimiser step, skipped on every
     rank when any rank's loss or the gradient norm is not finite -> (stats incl. norm_key, stepped).
 
     Micro-batch weights make the accumulated gradient the mini-batch aggregate over *all* ranks: FSDP
@@ -386,12 +390,13 @@ def accumulate_and_step(model, opt, loss_fn, batch, mini, tokens, args, autocast
     opt.zero_grad(set_to_none=True)
     model.train()  # transformers checkpoints activations only in train mode
     sums, finite = {}, True
-    for rows in micro_batches(batch, mini, args.micro_batch_size):
-        mb = micro_slices(batch, rows, device)
+    rows_total = sum(len(rows) for rows in micro)
+    for rows in micro:
+        mb = pack(batch, rows, device)
         if args.loss_agg == "token-mean":
             weight = float(mb["action_mask"].sum()) * world / max(tokens, 1.0)
         else:  # sequence means: every rank holds the same number of rows
-            weight = len(rows) / len(mini)
+            weight = len(rows) / rows_total
         with autocast():
             loss, s = loss_fn(mb)
         (loss * weight).backward()
@@ -432,7 +437,7 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
     """One step's metrics: rollout shape, rewards, KL, padding (sums over every rank), the update's
     statistics averaged over its mini-batches, timings."""
     act = batch["action_mask"].bool()                                                           # [B, R]
-    pad_lp = padding_counts(batch, micro_batches(batch, torch.arange(len(trajs)), args.micro_batch_size))
+    pad_lp = padding_counts(batch, list(torch.arange(len(trajs)).split(args.micro_batch_size)))
     pad_up = padding_counts(batch, update_groups)
     gap = 0.0 if old_logprobs is None else float((batch["rollout_logprobs"] - old_logprobs).abs()[act].sum())
     t = all_reduce_dict({

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import packing  # noqa: E402
 import parallel  # noqa: E402
 
 
@@ -27,14 +28,15 @@ def batch(world, rows=2, prompt=6, response=10, seed=1):
 
 
 def policy_loss(m, ids, mask, start):
-    logp, ent = M.token_logprobs(m, ids, mask, start, temperature=0.8, with_entropy=True, chunk_size=7)
+    logp, ent = M.token_logprobs(m, packing.from_padded(ids, mask, start), temperature=0.8, with_entropy=True,
+                                 chunk_size=7)
     resp = mask[:, start:].float()
     return -((logp - 0.01 * ent) * resp).sum() / resp.sum()
 
 
 def value_loss(c, ids, mask, start):
     resp = mask[:, start:].float()
-    return (((c(ids, mask, start) - 1.0) ** 2) * resp).sum() / resp.sum()
+    return (((c(packing.from_padded(ids, mask, start)) - 1.0) ** 2) * resp).sum() / resp.sum()
 
 
 def step(m, loss_fn, slices):
@@ -85,11 +87,11 @@ def main():
         with torch.no_grad():
             if kind == "policy":
                 parallel.save_hf(sharded, M.load_tokenizer(model_dir), out_dir / kind, dtype=torch.float32)
-                out = M.token_logprobs(sharded, ids, mask, start)
+                out = M.token_logprobs(sharded, packing.from_padded(ids, mask, start))
                 want = sharded(input_ids=ids, attention_mask=mask).logits
             else:
                 parallel.save_critic(sharded, out_dir / kind)
-                out = sharded(ids, mask, start)
+                out = sharded(packing.from_padded(ids, mask, start))
         if rank == 0:
             with torch.no_grad():
                 if kind == "policy":
@@ -98,10 +100,10 @@ def main():
                         res["saved_has_lm_head"] = "lm_head.weight" in f.keys()
                     reloaded = M.load_causal_lm(str(out_dir / kind)).to(device).eval()
                     res["reload_logits_diff"] = (reloaded(input_ids=ids, attention_mask=mask).logits - want).abs().max().item()
-                    res["reload_logprobs_diff"] = (M.token_logprobs(reloaded, ids, mask, start) - out).abs().max().item()
+                    res["reload_logprobs_diff"] = (M.token_logprobs(reloaded, packing.from_padded(ids, mask, start)) - out).abs().max().item()
                 else:
                     reloaded = M.load_critic(str(out_dir / kind)).to(device).eval()
-                    res["reload_values_diff"] = (reloaded(ids, mask, start) - out).abs().max().item()
+                    res["reload_values_diff"] = (reloaded(packing.from_padded(ids, mask, start)) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
     dist.destroy_process_group()

@@ -1,7 +1,11 @@
-"""Run by tests/test_train_units.py under torchrun with 1 or 2 ranks: one train.accumulate_and_step on a
-fixed global mini-batch whose rows carry very different numbers of action tokens. Rank r takes rows
-r::world, so with 2 ranks rank 0 holds the short responses and rank 1 the long ones. Writes the updated
-full parameters (rank 0) to OUT; token-mean must give the same step whatever the split."""
+"""Run by tests/test_train_units.py and tests/test_packing.py under torchrun with 1 or 2 ranks: one train.ppo_update
+on a fixed global mini-batch whose rows carry very different numbers of tokens. Rank r takes rows r::world, so with
+2 ranks rank 0 holds the short responses and rank 1 the long ones.
+
+    _token_mean_worker.py MODEL OUT [TOKENS]   # TOKENS: micro-batches by token budget, else one row each
+
+Writes the updated full parameters, the statistics and every rank's number of forward calls (rank 0) to OUT;
+token-mean must give the same step whatever the split."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,42 +15,49 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import packing  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 
 
 def global_batch(model):
-    """4 rows: prompts of 5 tokens; responses of 40 tokens, 3 action tokens in rows 0/2, 35 in rows 1/3."""
+    """4 rows: prompts of 5 tokens; responses of 8 tokens with 3 action tokens in rows 0/2, of 40 tokens with 35
+    in rows 1/3 (an intervention-like stretch of context after the first 20)."""
     g = torch.Generator().manual_seed(0)
     B, P, R = 4, 5, 40
     batch = dict(prompt_ids=torch.randint(3, 4000, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
                  response_ids=torch.randint(3, 4000, (B, R), generator=g),
-                 response_mask=torch.ones(B, R, dtype=torch.long), action_mask=torch.zeros(B, R))
-    for row, n_actions in enumerate((3, 35, 3, 35)):
+                 response_mask=torch.zeros(B, R, dtype=torch.long), action_mask=torch.zeros(B, R))
+    for row, (n_tokens, n_actions) in enumerate(((8, 3), (40, 35), (8, 3), (40, 35))):
+        batch["response_mask"][row, :n_tokens] = 1
         batch["action_mask"][row, :n_actions] = 1
-    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+        batch["action_mask"][row, 20:25] = 0
     with torch.no_grad():
-        old = M.token_logprobs(model, ids, mask, P)  # ratio 1: the gradient is -A * grad log p per token
+        old = M.token_logprobs(model, packing.pack(batch, torch.arange(B), "cpu"))  # ratio 1: the gradient is -A * grad log p per token
     batch.update(old_logprobs=old, ref_logprobs=old, advantages=torch.randn(B, R, generator=g))
     return batch
 
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
+    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else None
     rank, world, _, device = parallel.init_distributed()
     plain = M.load_causal_lm(model_dir)
     batch = global_batch(plain)
     mine = {k: v[rank::world] for k, v in batch.items()}
     actor = parallel.shard(M.load_causal_lm(model_dir))
+    calls = []
+    actor.register_forward_pre_hook(lambda *_: calls.append(1))
     args = SimpleNamespace(micro_batch_size=1, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
                            entropy_coef=0.0, kl_loss_coef=0.0, temperature=1.0, grad_clip=1e9)
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-    stats, skipped = train.ppo_update(actor, None, opt, None, mine, torch.arange(len(mine["action_mask"])), args,
-                                      train.nullcontext, device)
+    micro = packing.micro_batches(mine, torch.arange(len(mine["action_mask"])), args.micro_batch_size, tokens, device)
+    stats, skipped = train.ppo_update(actor, None, opt, None, mine, micro, args, train.nullcontext, device)
     params = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
+    every = [None] * world
+    dist.all_gather_object(every, len(calls))
     if rank == 0:
-        torch.save({"params": params, "skipped": skipped, "stats": stats}, out)
+        torch.save({"params": params, "skipped": skipped, "stats": stats, "calls": every}, out)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures and helpers: models built once per session, the torchrun launcher, the subprocess runner,
 and the `vllm` / `dist` markers set from the fixtures a test uses (`make test-fast` deselects them)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,14 @@ def pytest_collection_modifyitems(items):
         for name in sorted(MARKS_BY_FIXTURE.keys() & set(getattr(item, "fixturenames", ()))):
             for mark in MARKS_BY_FIXTURE[name]:
                 item.add_marker(mark)
+
+
+def pytest_runtest_setup(item):
+    """Every test marked vllm (by a fixture or by hand) skips with its reason printed where vLLM is missing, e.g. a
+    GPU machine with PyTorch alone: the trainer's tests still run there."""
+    if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
+        print(f"SKIP: {item.name}: vLLM is not installed", file=sys.stderr)
+        pytest.skip("vLLM is not installed")
 
 
 def run_script(script, *argv, env=None, cwd=ROOT, timeout=300):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import model as M
+import packing
 import parallel
 
 
@@ -61,25 +62,29 @@ def test_tiny_forward(tiny, tiny_model_dir):
 def test_token_logprobs_matches_full_log_softmax(tiny, temperature, chunk_size):
     ids, mask, P = make_batch()
     with torch.no_grad():
-        logp, ent = M.token_logprobs(tiny, ids, mask, P, temperature, with_entropy=True, chunk_size=chunk_size)
+        mb = packing.from_padded(ids, mask, P)
+        logp, ent = M.token_logprobs(tiny, mb, temperature, with_entropy=True, chunk_size=chunk_size)
         want_logp, want_ent = naive_logprobs(tiny, ids, mask, P, temperature)
-        only = M.token_logprobs(tiny, ids, mask, P, temperature, chunk_size=chunk_size)
-    assert logp.shape == ent.shape == (3, 9)
-    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(only, want_logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)  # entropies are ~10 nats
+        only = M.token_logprobs(tiny, mb, temperature, chunk_size=chunk_size)
+    resp = mask[:, P:].bool()  # row 2's last two response columns are padding: 0 there
+    assert logp.shape == ent.shape == (3, 9) and not logp[~resp].any() and not ent[~resp].any()
+    torch.testing.assert_close(logp[resp], want_logp[resp], atol=1e-5, rtol=0)
+    torch.testing.assert_close(only[resp], want_logp[resp], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[resp], want_ent[resp], atol=1e-5, rtol=1e-5)  # entropies are ~10 nats
 
 
-def test_left_padding_gives_same_logprobs_as_unpadded(tiny):
+def test_packed_row_gives_each_sequence_its_unpadded_logprobs(tiny):
     ids, mask, P = make_batch()
     seen = {}
     hook = tiny.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
     with torch.no_grad():
-        logp = M.token_logprobs(tiny, ids, mask, P, chunk_size=4)
+        logp = M.token_logprobs(tiny, packing.from_padded(ids, mask, P), chunk_size=4)
     hook.remove()
-    # RoPE is shift-invariant, so check the positions themselves (absolute-position models need them)
-    assert seen["position_ids"][0].tolist() == [0, 0, 0] + list(range(13))
-    assert seen["position_ids"][2].tolist() == list(range(14)) + [13, 13]
+    # one row of the three sequences' real tokens (13, 15 and 14), positions restarting at each: RoPE is
+    # shift-invariant, so check the positions themselves (absolute-position models need them)
+    assert seen["input_ids"].shape == (1, 42) and seen["input_ids"][0].tolist() == ids[mask.bool()].tolist()
+    assert seen["position_ids"][0].tolist() == list(range(13)) + list(range(15)) + list(range(14))
+    assert seen["cu_seq_lens_q"].tolist() == [0, 13, 28, 42] and seen["max_length_q"] == 15
     with torch.no_grad():
         for row, pad in ((0, 3), (1, 1)):
             alone = ids[row:row + 1, pad:]  # the same row with no padding and no mask at all
@@ -95,7 +100,7 @@ def test_token_logprobs_gradient_matches_naive(tiny_model_dir):
     for fn in ("chunked", "naive"):
         m = M.load_causal_lm(tiny_model_dir).train()
         if fn == "chunked":
-            logp, ent = M.token_logprobs(m, ids, mask, P, 0.7, with_entropy=True, chunk_size=5)
+            logp, ent = M.token_logprobs(m, packing.from_padded(ids, mask, P), 0.7, with_entropy=True, chunk_size=5)
         else:
             logp, ent = naive_logprobs(m, ids, mask, P, 0.7)
         ((logp + 0.1 * ent) * weights).sum().backward()
@@ -111,10 +116,11 @@ def test_values_alignment(tiny_model_dir):
     critic = M.load_critic(tiny_model_dir).eval()
     ids, mask, P = make_batch()
     with torch.no_grad():
-        assert critic(ids, mask, P).abs().max() == 0  # zero-initialised head
+        mb = packing.from_padded(ids, mask, P)
+        assert critic(mb).abs().max() == 0  # zero-initialised head
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
         critic.value_head.bias.fill_(0.25)
-        v = critic(ids, mask, P)
+        v = critic(mb)
         assert v.shape == (3, 9) and v.dtype == torch.float32
         # independent: the unpadded row through the backbone, read at position P-1+t for token t
         for row, pad in ((0, 3), (1, 1)):
@@ -125,7 +131,7 @@ def test_values_alignment(tiny_model_dir):
         t = 4
         changed = ids.clone()
         changed[:, P + t] = (changed[:, P + t] + 1) % 5000
-        v2 = critic(changed, mask, P)
+        v2 = critic(packing.from_padded(changed, mask, P))
     assert torch.equal(v2[:, :t + 1], v[:, :t + 1])
     assert (v2[:, t + 1] - v[:, t + 1]).abs().min() > 0
 
@@ -139,7 +145,8 @@ def test_critic_save_load_round_trip(tiny_model_dir, tmp_path):
     again = M.load_critic(str(tmp_path / "critic"))
     ids, mask, P = make_batch()
     with torch.no_grad():
-        torch.testing.assert_close(again(ids, mask, P), critic(ids, mask, P), atol=0, rtol=0)
+        mb = packing.from_padded(ids, mask, P)
+        torch.testing.assert_close(again(mb), critic(mb), atol=0, rtol=0)
     # a critic directory is also a causal LM directory (e.g. --critic-model of a later run)
     assert M.load_causal_lm(str(tmp_path / "critic")).config.vocab_size == critic.config.vocab_size
 

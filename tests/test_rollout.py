@@ -207,6 +207,7 @@ def test_sync_weights_changes_and_restores(vllm_engine, hf_engine, tiny_model_di
 def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prompts, iv):
     """rollout/logprob_gap (train.py): mean |engine log-prob - trainer log-prob| over action tokens. In sync it
     is ~0; after the engine gets other weights than the trainer has, it jumps."""
+    import packing
     import ppo
     from model import token_logprobs
 
@@ -216,10 +217,8 @@ def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prom
         ro = rollout.sample(vllm_engine, prompts[:3], n=2, turn_tokens=8, max_turns=1, temperature=0.8, seed=5,
                             intervention_ids=iv)
         b = rollout.to_batch(ro, pad_id=0)
-        ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1)
-        mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1)
         with torch.no_grad():
-            lp = token_logprobs(trainer, ids, mask, b["prompt_ids"].shape[1], temperature=0.8)
+            lp = token_logprobs(trainer, packing.pack(b, torch.arange(len(ro)), "cpu"), temperature=0.8)
         return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
 
     in_sync = gap()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import model as M
+import packing
 import parallel
 import reward
 import train
@@ -85,6 +86,7 @@ def one_rank_group():
 
 
 def update_batch(model, rows=4, prompt=6, response=12):
+    """A trainer batch on the CPU (as train.py holds it); packing.pack moves each micro-batch to the model's device."""
     g = torch.Generator().manual_seed(0)
     batch = dict(prompt_ids=torch.randint(3, 4000, (rows, prompt), generator=g),
                  prompt_mask=torch.ones(rows, prompt, dtype=torch.long),
@@ -93,6 +95,14 @@ def update_batch(model, rows=4, prompt=6, response=12):
     batch.update(old_logprobs=torch.full((rows, response), -8.0), ref_logprobs=torch.full((rows, response), -8.0),
                  advantages=torch.randn(rows, response, generator=g))
     return batch
+
+
+TWO_MICRO = [torch.tensor([0, 1]), torch.tensor([2, 3])]  # the update's micro-batches: rows 0-1, rows 2-3
+
+
+def device_of(model):
+    """Where FSDP2 put the model: the default device of the process group's mesh (cuda:0 on a GPU machine)."""
+    return next(model.parameters()).device
 
 
 UPDATE_ARGS = dict(micro_batch_size=2, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -108,8 +118,8 @@ def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_
     real_forward = mlp.forward  # counted on the instance: forward hooks do not fire in the recompute
     mlp.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-4)
-    stats, skipped = train.ppo_update(actor, None, opt, None, update_batch(actor), torch.arange(4),
-                                      SimpleNamespace(**UPDATE_ARGS), train.nullcontext, torch.device("cpu"))
+    stats, skipped = train.ppo_update(actor, None, opt, None, update_batch(actor), TWO_MICRO,
+                                      SimpleNamespace(**UPDATE_ARGS), train.nullcontext, device_of(actor))
     assert skipped == 0 and {"loss/pg", "actor/entropy", "loss/kl", "actor/grad_norm"} <= set(stats)
     assert len(calls) == (4 if checkpointing else 2)  # 2 micro-batches
     assert not actor.training  # back in eval mode for the no-grad log-prob passes
@@ -124,9 +134,9 @@ def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model
     real = train.ppo.policy_loss
     monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     a_opt, c_opt = torch.optim.AdamW(actor.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
-    stats, skipped = train.ppo_update(actor, critic, a_opt, c_opt, batch, torch.arange(4),
+    stats, skipped = train.ppo_update(actor, critic, a_opt, c_opt, batch, TWO_MICRO,
                                       SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), train.nullcontext,
-                                      torch.device("cpu"))
+                                      device_of(actor))
     assert skipped == 1 and "loss/vf" in stats and stats["critic/grad_norm"] > 0
     assert all(torch.equal(t, before[n]) for n, t in parallel.full_state_dict(actor))  # the actor did not move
 
@@ -153,16 +163,15 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
         actor = parallel.shard(M.load_causal_lm(tiny_model_dir))
         batch = update_batch(actor)
         batch["rollout_logprobs"] = torch.full_like(batch["advantages"], -9.0)
-        ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
         with torch.no_grad():
-            old = M.token_logprobs(actor, ids, torch.ones_like(ids), batch["prompt_ids"].shape[1])
+            old = M.token_logprobs(actor, packing.pack(batch, torch.arange(4), device_of(actor))).cpu()
         if reuse:
             del batch["old_logprobs"]
         else:
             batch["old_logprobs"] = old
         opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-        stats, _ = train.ppo_update(actor, None, opt, None, batch, torch.arange(4), args, train.nullcontext,
-                                    torch.device("cpu"))
+        stats, _ = train.ppo_update(actor, None, opt, None, batch, TWO_MICRO, args, train.nullcontext,
+                                    device_of(actor))
         assert stats["actor/clipfrac"] == 0 and stats["actor/approx_kl"] == pytest.approx(0, abs=1e-6)
         if reuse:  # the diagnostics the skipped pass would have given
             assert stats["kl/mean"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
