@@ -93,6 +93,10 @@ def parse_args(argv=None):
     a("--dual-clip", type=float, default=None, help="dual-clip constant (> 1) for negative advantages")
     a("--value-clip", type=float, default=0.5, help="value loss clip")
     a("--loss-agg", default="token-mean", choices=ppo.AGG_MODES, help="loss aggregation")
+    a("--rollout-is-cap", type=float, default=2.0,
+      help="truncated importance sampling: weight each action token by min(pi_old / pi_rollout, C), correcting the "
+           "engine/trainer log-prob mismatch (0 = off)")
+    a("--rollout-is-level", default="token", help="token | sequence: one weight per token, or per trajectory")
     a("--no-whiten", action="store_true", help="do not whiten GAE advantages")
     # bookkeeping and platform
     a("--save-freq", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
@@ -131,6 +135,10 @@ def check_args(args):
         die(f"--length-coef must be >= 0, got {args.length_coef}")
     if args.dist_timeout <= 0:
         die(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if args.rollout_is_cap < 0 or 0 < args.rollout_is_cap < 1:
+        die(f"--rollout-is-cap must be 0 (off) or >= 1, got {args.rollout_is_cap}")
+    if args.rollout_is_level not in ppo.IS_LEVELS:
+        die(f"--rollout-is-level must be one of {', '.join(ppo.IS_LEVELS)}, got {args.rollout_is_level!r}")
     if args.kl_loss_coef is None:
         args.kl_loss_coef = 0.001 if args.adv == "grpo" else 0.0
 
@@ -353,8 +361,13 @@ def actor_loss(actor, mb, args):
         old = logprobs.detach().float()
         s["kl/mean"] = ppo.masked_mean(ppo.kl_penalty(old, mb["ref_logprobs"], args.kl_kind), mask)
         s["rollout/logprob_gap"] = ppo.masked_mean((mb["rollout_logprobs"] - old).abs(), mask)
+    is_weights = None
+    if args.rollout_is_cap:  # the engine sampled from pi_rollout, not pi_old: TIS weights (ppo.rollout_is_weights)
+        is_weights, is_stats = ppo.rollout_is_weights(old, mb["rollout_logprobs"], mask, args.rollout_is_cap,
+                                                      args.rollout_is_level)                 # [b, r]
+        s.update({f"rollout/{k}": v for k, v in is_stats.items()})
     pg, pg_stats = ppo.policy_loss(logprobs.float(), old, mb["advantages"], mask,
-                                   args.clip_low, args.clip_high, args.dual_clip, args.loss_agg)
+                                   args.clip_low, args.clip_high, args.dual_clip, args.loss_agg, is_weights)
     s.update({f"actor/{k}": v for k, v in pg_stats.items()})
     ent = ppo.agg_loss(entropy.float(), mask, args.loss_agg)
     loss = pg - args.entropy_coef * ent
