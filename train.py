@@ -170,7 +170,7 @@ def main(argv=None):
         # ---- 1. rollout: this rank's share of the global batch, multi-turn with interventions
         with timed(timer, "rollout"):
             trajs = sample_batch(run, args, step, desc=bar("rollout"))
-            run.engine.sleep()  # frees the KV cache for training on GPU; a no-op on CPU
+            run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
             batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
 
         # ---- 2. score: binary accuracy of the final answer (minus the length cost, if any)
@@ -200,7 +200,7 @@ def main(argv=None):
 
         # ---- 6. sync the new weights into the engine
         with timed(timer, "sync"):
-            run.engine.sync_weights(full_state_dict(run.actor))  # wakes a sleeping engine: weights, load, KV cache
+            run.engine.sync_weights(full_state_dict(run.actor))  # wakes the weights only; KV cache: in generate
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step
@@ -432,6 +432,7 @@ def validate(run, args):
     ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx, n=1, temperature=0.0,
                         seed=args.seed, timeout=args.rollout_timeout, desc="validate" if run.master else None,
                         **turn_settings(run, args))
+    run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
     t = all_reduce_dict({"acc": sum(r["acc"] for r in results), "tokens": sum(len(x["response_ids"]) for x in ro),
                          "turns": sum(x["turns"] for x in ro), "answered": sum(x["answered"] for x in ro),
