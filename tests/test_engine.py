@@ -150,6 +150,39 @@ def test_cpu_engine_never_sleeps_and_repacks_tied_head(monkeypatch):
     assert engine.llm.dtypes == [torch.bfloat16]  # fp32 master weights arrive in the engine's dtype
 
 
+class FakeShard:
+    """Stands in for an FSDP2 parameter (a DTensor) on a CUDA mesh: with --offload its shard lives on the CPU."""
+    device_mesh = SimpleNamespace(device_type="cuda")
+
+    def __init__(self, name, log, device):
+        self.name, self.log, self.device = name, log, torch.device(device)
+
+    def to(self, device):
+        self.log.append(("to", self.name, device))
+        return FakeShard(self.name, self.log, device)
+
+    def full_tensor(self):
+        self.log.append(("gather", self.name, self.device.type))  # the all-gather runs where the shard is
+        return torch.zeros(2)
+
+
+def test_offload_sync_gathers_on_the_gpu_one_tensor_at_a_time(monkeypatch):
+    import torch.distributed.tensor
+
+    import parallel
+
+    log = []
+    monkeypatch.setattr(torch.distributed.tensor, "DTensor", FakeShard)
+    params = [("a.weight", FakeShard("a.weight", log, "cpu")), ("b.weight", FakeShard("b.weight", log, "cpu")),
+              ("c.weight", FakeShard("c.weight", log, "cuda"))]  # not offloaded: gathered where it is
+    model = SimpleNamespace(named_modules=lambda: [], named_parameters=lambda: params)
+    for name, _ in parallel.full_state_dict(model):
+        log.append(("loaded", name))
+    assert log == [("to", "a.weight", "cuda"), ("gather", "a.weight", "cuda"), ("loaded", "a.weight"),
+                   ("to", "b.weight", "cuda"), ("gather", "b.weight", "cuda"), ("loaded", "b.weight"),
+                   ("gather", "c.weight", "cuda"), ("loaded", "c.weight")]
+
+
 # ----------------------------------------------------------------------------- memory guards
 
 def test_engine_memory_error_arithmetic():
