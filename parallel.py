@@ -178,13 +178,20 @@ def load_checkpoint(path, models):
 def full_state_dict(model):
     """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()
     is a collective: every rank must iterate). FSDP2 keeps the HF names. Tied weights appear once, under
-    their first name (embed_tokens)."""
+    their first name (embed_tokens). --offload on GPUs: each CPU shard moves to the GPU first and is gathered
+    there (NCCL), as TRL and veRL do, not over gloo between host copies; one tensor at a time, so the GPU holds
+    one shard and one full tensor beyond the model's own shards."""
     from torch.distributed.tensor import DTensor
 
     persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
                   for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
     for name, tensor in [*model.named_parameters(), *persistent]:
-        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+        if isinstance(tensor, DTensor):
+            mesh_device = tensor.device_mesh.device_type  # "cuda" for FSDP2 on GPUs, offloaded or not
+            if tensor.device.type != mesh_device:
+                tensor = tensor.to(mesh_device)  # the current device (init_distributed set it)
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
 
 
 def _gather_to_cpu(model, dtype):

@@ -10,7 +10,7 @@ Sections, in the order train.py uses them:
   1. masked statistics     masked_mean, masked_var, masked_whiten
   2. rewards               kl_penalty, token_rewards
   3. advantages            compute_gae, group_advantages
-  4. losses                agg_loss, policy_loss, kl_loss, value_loss
+  4. losses                rollout_is_weights, agg_loss, policy_loss, kl_loss, value_loss
   5. KL coefficient        FixedKLController, AdaptiveKLController
 
 Loss statistics are returned as 0-dim detached tensors (not python floats), so a training
@@ -18,11 +18,12 @@ step never forces a device sync; call float() / .item() when logging.
 
 References: Schulman et al. 2017 (PPO, clipped surrogate), Schulman et al. 2016 (GAE),
 Ziegler et al. 2019 (per-token KL reward, adaptive KL controller), Ye et al. 2020 (dual clip),
-Shao et al. 2024 (GRPO), Ahmadian et al. 2024 (RLOO).
+Shao et al. 2024 (GRPO), Ahmadian et al. 2024 (RLOO), Yao et al. 2025 (truncated importance sampling).
 """
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+IS_LEVELS = ("token", "sequence")
 
 
 # ---------------------------------------------------------------------------------------
@@ -160,6 +161,30 @@ def group_advantages(scores, group_ids, action_mask, kind, eps=1e-6):
 # ---------------------------------------------------------------------------------------
 # 4. Losses
 # ---------------------------------------------------------------------------------------
+@torch.no_grad()  # weights, not a path for gradients
+def rollout_is_weights(old_logprobs, rollout_logprobs, action_mask, cap=2.0, level="token"):
+    """Truncated importance sampling (TIS) for the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training"; TRL and veRL call it rollout IS). The engine samples
+    from pi_rollout (its own kernels and precision), the PPO ratio is taken against pi_old (the trainer's
+    log-probs of the same tokens), so the samples are off-policy by pi_old / pi_rollout; its weight, capped at
+    C, multiplies the per-token surrogate:
+      token:    w_t = min(exp(old_t - rollout_t), C)
+      sequence: w_t = min(exp(sum over the row's action tokens of (old - rollout)), C), one per row
+    Returns (weights [B, T], 0 outside the action mask; stats over action tokens: is_weight_mean (after the cap),
+    is_clipped_share (tokens whose weight the cap lowered; at sequence level, the tokens of such rows))."""
+    mask = action_mask.bool()  # [B, T]
+    log_ratio = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)  # [B, T]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)  # [B, T], the row's total on every token
+    elif level != "token":
+        raise ValueError(f"ppo.rollout_is_weights: unknown level {level!r} (expected one of {', '.join(IS_LEVELS)})")
+    log_cap = torch.log(torch.tensor(float(cap)))
+    clipped = mask & (log_ratio > log_cap)
+    weights = torch.where(mask, torch.exp(torch.clamp(log_ratio, max=log_cap)), 0.0)  # clamp first: no inf
+    stats = {"is_weight_mean": masked_mean(weights, mask), "is_clipped_share": masked_mean(clipped.float(), mask)}
+    return weights, stats
+
+
 def agg_loss(loss_mat, mask, agg="token-mean"):
     """Reduce a per-token loss [B, T] to a scalar over the mask.
       token-mean:          sum over all action tokens / number of action tokens
@@ -180,11 +205,12 @@ def agg_loss(loss_mat, mask, agg="token-mean"):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, clip_low=0.2, clip_high=0.2,
-                dual_clip=None, agg="token-mean"):
+                dual_clip=None, agg="token-mean", is_weights=None):
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise:
         L_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))
     Dual clip (Ye et al. 2020): for A_t < 0 the loss is also capped at -A_t * dual_clip, so one
-    token with a huge ratio cannot dominate. Returns (loss, stats); stats over action tokens:
+    token with a huge ratio cannot dominate. is_weights [B, T] (rollout_is_weights, or None): each token's
+    clipped loss is multiplied by its weight before aggregation. Returns (loss, stats); stats over action tokens:
       clipfrac      fraction where the clipped term is active (strictly larger)
       dual_clipfrac fraction where the dual-clip cap is active (0 when dual_clip is None)
       approx_kl     mean k3 estimate of KL(pi_old || pi) = ratio - 1 - log(ratio)
@@ -205,6 +231,8 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, clip_low=0.2, c
         cap = -advantages * dual_clip  # [B, T]
         dual_active = (advantages < 0) & (pg > cap)
         pg = torch.where(dual_active, cap, pg)
+    if is_weights is not None:
+        pg = pg * is_weights.detach()  # [B, T]; padding's garbage stays out: agg_loss masks with where
     loss = agg_loss(pg, mask, agg)
     with torch.no_grad():
         stats = {

@@ -19,6 +19,7 @@ transformers backend with KV cache for debugging and cross-checks.
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -29,8 +30,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import (ArgumentParser, choose_dtype, default_device, die, end_of_turn_ids, keep_freed_memory, load_causal_lm,
-                   load_tokenizer, quiet_logs, resolve_model)
+from model import (ArgumentParser, choose_dtype, default_device, die, end_of_turn_ids, engine_memory_error,
+                   keep_freed_memory, load_causal_lm, load_tokenizer, quiet_logs, resolve_model)
 from data import write_atomic
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
@@ -111,7 +112,9 @@ class VLLMEngine:
             # 127 tokens per sample; 32 (the smallest the CPU attention kernels take) measured ~20% faster multi-turn.
             kwargs["block_size"] = 32
         else:
-            kwargs["enable_sleep_mode"] = True  # weights offloaded / KV cache freed while the trainer runs
+            kwargs["enable_sleep_mode"] = True  # weights dropped / KV cache freed while the trainer runs
+            self.utilization = gpu_memory_utilization
+            self._check_memory("start", math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1]))
         if distributed:
             # Colocated under torchrun (TRL's colocate mode): every rank builds its own engine and samples its own
             # shard. external_launcher takes RANK/LOCAL_RANK from torchrun (device cuda:LOCAL_RANK) and adopts the
@@ -139,14 +142,21 @@ class VLLMEngine:
         torch.set_num_threads = set_threads
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-        self.sleeping = False
+        self.utilization = gpu_memory_utilization
+        self.asleep = set()   # what is not mapped: {} awake, {"kv_cache"}, or {"weights", "kv_cache"}
+        self.asleep_bytes = 0  # what sleeping freed and waking maps back (measured), for the memory guard
         self.calls = 0  # request ids: f'{call}-{i}'
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None):
         """prompt_token_ids: list of M id lists; max_tokens, seed: one value or one per prompt.
         Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
-        i.e. what a trainer computes with the same temperature."""
+        i.e. what a trainer computes with the same temperature. Wakes the KV cache of a sleeping engine: it is
+        mapped only while generating (the caller sleeps it again: train.py after rollouts and validation)."""
+        self.wake_up()
+        return self._generate(prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout)
+
+    def _generate(self, prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -182,13 +192,24 @@ class VLLMEngine:
                                       o.finish_reason == "stop"))
         return results
 
-    def sleep(self, level=2):
-        """Free accelerator memory for training. Level 2 (default) drops weights and KV cache: every
-        sync_weights overwrites all weights, so there is nothing to keep (level 1 would keep a CPU copy
-        of the weights). A level-2 engine must be woken by sync_weights. No-op on CPU."""
-        if not self.on_cpu and not self.sleeping:
-            self.llm.sleep(level=level)
-            self.sleeping = level
+    def sleep(self, keep_weights=False):
+        """Free accelerator memory for training. keep_weights=False (after a rollout): drop weights and KV cache
+        (vLLM's level 2; the next sync_weights overwrites every weight, so no CPU copy is kept). keep_weights=True
+        (after validation: the same weights sample the next rollout): free the KV cache only, weights stay on the
+        GPU (vLLM's public level-0 pause + release_kv_cache_memory; level 1 would copy the weights to host RAM and
+        back). No-op on CPU, where vLLM has no sleep mode."""
+        if self.on_cpu or "weights" in self.asleep or (keep_weights and self.asleep):
+            return  # nothing more to free
+        self._empty_cache()  # the trainer's cached blocks: not the engine's, keep them out of the measure
+        before = self._free_bytes()
+        if keep_weights:
+            self.llm.sleep(level=0)  # pause the scheduler: release_kv_cache_memory needs it
+            self.llm.release_kv_cache_memory()
+            self.asleep = {"kv_cache"}
+        else:
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
+        self.asleep_bytes += max(self._free_bytes() - before, 0)
 
     @staticmethod
     def _empty_cache():
@@ -197,15 +218,37 @@ class VLLMEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    @staticmethod
+    def _free_bytes():
+        return torch.cuda.mem_get_info()[0]
+
+    def _check_memory(self, when, need):
+        """Die in one line (model.engine_memory_error) when vLLM's `need` bytes are not free, before it fails with
+        a bare CUDA out-of-memory error."""
+        self._empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        msg = engine_memory_error(when, need, free, total, torch.cuda.memory_reserved(), self.utilization)
+        if msg:
+            die(msg)
+
+    def _wake(self, tag):
+        """Map `tag` again (weights or kv_cache), checking first that everything still asleep fits: the KV cache
+        follows the weights before the next generate, so a short device fails at the first of the two."""
+        self._check_memory("wake", self.asleep_bytes)
+        before = self._free_bytes()
+        self.llm.wake_up(tags=[tag])
+        self.asleep.discard(tag)
+        self.asleep_bytes = 0 if not self.asleep else max(self.asleep_bytes - (before - self._free_bytes()), 0)
+
     def wake_up(self):
-        """Wake without new weights (after a level-1 sleep only; level 2 dropped them: use sync_weights)."""
-        if self.sleeping:
-            if self.sleeping >= 2:
-                raise RuntimeError("the engine slept at level 2 and has no weights: wake it with sync_weights")
-            self._empty_cache()
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()  # the KV cache was dropped
-            self.sleeping = False
+        """Map the KV cache of an engine asleep with its weights (a no-op when awake). An engine that dropped its
+        weights must be woken by sync_weights."""
+        if not self.asleep:
+            return
+        if "weights" in self.asleep:
+            raise RuntimeError("the engine dropped its weights when it slept: wake it with sync_weights")
+        self._wake("kv_cache")
+        self.llm.reset_prefix_cache()  # the KV cache was dropped
 
     def close(self):
         """Shut the engine down and free its memory (idempotent). Under torchrun this also destroys the default
@@ -218,21 +261,19 @@ class VLLMEngine:
 
     def sync_weights(self, named_tensors):
         """Load full (name, tensor) pairs in HF checkpoint names, e.g. parallel.full_state_dict(...) (a generator:
-        each full tensor is gathered, loaded and dropped in turn). A sleeping engine is woken in the order that
-        fits in memory (as TRL and veRL do): empty PyTorch's cache, wake the weights, load them, empty the cache
-        again (the gathered tensors), then wake the KV cache; the prefix cache is reset (old weights' KV).
-        Floating tensors are cast to the engine's dtype on the way (an fp32 trainer, a bf16 engine: half the copy)."""
+        each full tensor is gathered, loaded and dropped in turn). An engine that dropped its weights wakes them
+        only (empty PyTorch's cache, check the memory, wake, load, empty the cache again: the gathered tensors);
+        the KV cache stays asleep until the next generate (validation, checkpointing and the next rollout's
+        start run without it). The prefix cache is reset (old weights' KV). Floating tensors are cast to the
+        engine's dtype on the way (an fp32 trainer, a bf16 engine: half the copy)."""
         named_tensors = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
-        if self.sleeping:
-            self._empty_cache()
-            self.llm.wake_up(tags=["weights"])
+        if "weights" in self.asleep:  # (sleeping cleared the prefix cache; waking the KV cache resets it again)
+            self._wake("weights")
             _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
             self._empty_cache()
-            self.llm.wake_up(tags=["kv_cache"])
-            self.sleeping = False
         else:
             _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
-        self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()
 
 
 # ----------------------------------------------------------------------------- transformers engine
@@ -307,7 +348,7 @@ class HFEngine:
                                 use_cache=True).logits[:, -1].float()
         return [Completion(out_ids[i], out_lp[i], stopped[i]) for i in range(B)]
 
-    def sleep(self, level=1):
+    def sleep(self, keep_weights=False):
         pass  # nothing to free: the debugging backend is not colocated with an accelerator trainer
 
     def wake_up(self):

@@ -97,6 +97,10 @@ def parse_args(argv=None):
     a("--dual-clip", type=float, default=None, help="dual-clip constant (> 1) for negative advantages")
     a("--value-clip", type=float, default=0.5, help="value loss clip")
     a("--loss-agg", default="token-mean", choices=ppo.AGG_MODES, help="loss aggregation")
+    a("--rollout-is-cap", type=float, default=2.0,
+      help="truncated importance sampling: weight each action token by min(pi_old / pi_rollout, C), correcting the "
+           "engine/trainer log-prob mismatch (0 = off)")
+    a("--rollout-is-level", default="token", help="token | sequence: one weight per token, or per trajectory")
     a("--no-whiten", action="store_true", help="do not whiten GAE advantages")
     # bookkeeping and platform
     a("--save-freq", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
@@ -136,6 +140,10 @@ def check_args(args):
         die(f"--length-coef must be >= 0, got {args.length_coef}")
     if args.dist_timeout <= 0:
         die(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if args.rollout_is_cap < 0 or 0 < args.rollout_is_cap < 1:
+        die(f"--rollout-is-cap must be 0 (off) or >= 1, got {args.rollout_is_cap}")
+    if args.rollout_is_level not in ppo.IS_LEVELS:
+        die(f"--rollout-is-level must be one of {', '.join(ppo.IS_LEVELS)}, got {args.rollout_is_level!r}")
     if args.kl_loss_coef is None:
         args.kl_loss_coef = 0.001 if args.adv == "grpo" else 0.0
 
@@ -167,7 +175,7 @@ def main(argv=None):
         # ---- 1. rollout: this rank's share of the global batch, multi-turn with interventions
         with timed(timer, "rollout"):
             trajs = sample_batch(run, args, step, desc=bar("rollout"))
-            run.engine.sleep()  # frees the KV cache for training on GPU; a no-op on CPU
+            run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
             batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
 
         # ---- 2. score: binary accuracy of the final answer (minus the length cost, if any)
@@ -197,7 +205,7 @@ def main(argv=None):
 
         # ---- 6. sync the new weights into the engine
         with timed(timer, "sync"):
-            run.engine.sync_weights(full_state_dict(run.actor))  # wakes a sleeping engine: weights, load, KV cache
+            run.engine.sync_weights(full_state_dict(run.actor))  # wakes the weights only; KV cache: in generate
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step
@@ -357,8 +365,13 @@ def actor_loss(actor, mb, args):
         old = logprobs.detach().float()
         s["kl/mean"] = ppo.masked_mean(ppo.kl_penalty(old, mb["ref_logprobs"], args.kl_kind), mask)
         s["rollout/logprob_gap"] = ppo.masked_mean((mb["rollout_logprobs"] - old).abs(), mask)
+    is_weights = None
+    if args.rollout_is_cap:  # the engine sampled from pi_rollout, not pi_old: TIS weights (ppo.rollout_is_weights)
+        is_weights, is_stats = ppo.rollout_is_weights(old, mb["rollout_logprobs"], mask, args.rollout_is_cap,
+                                                      args.rollout_is_level)                 # [b, r]
+        s.update({f"rollout/{k}": v for k, v in is_stats.items()})
     pg, pg_stats = ppo.policy_loss(logprobs.float(), old, mb["advantages"], mask,
-                                   args.clip_low, args.clip_high, args.dual_clip, args.loss_agg)
+                                   args.clip_low, args.clip_high, args.dual_clip, args.loss_agg, is_weights)
     s.update({f"actor/{k}": v for k, v in pg_stats.items()})
     ent = ppo.agg_loss(entropy.float(), mask, args.loss_agg)
     loss = pg - args.entropy_coef * ent
@@ -424,6 +437,7 @@ def validate(run, args):
     ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx, n=1, temperature=0.0,
                         seed=args.seed, timeout=args.rollout_timeout, desc="validate" if run.master else None,
                         **turn_settings(run, args))
+    run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
     t = all_reduce_dict({"acc": sum(r["acc"] for r in results), "tokens": sum(len(x["response_ids"]) for x in ro),
                          "turns": sum(x["turns"] for x in ro), "answered": sum(x["answered"] for x in ro),

@@ -49,7 +49,8 @@ def main():
     calls = []
     actor.register_forward_pre_hook(lambda *_: calls.append(1))
     args = SimpleNamespace(micro_batch_size=1, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
-                           entropy_coef=0.0, kl_loss_coef=0.0, temperature=1.0, grad_clip=1e9)
+                           entropy_coef=0.0, kl_loss_coef=0.0, temperature=1.0, grad_clip=1e9,
+                           rollout_is_cap=0.0)  # no rollout log-probs here
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
     micro = packing.micro_batches(mine, torch.arange(len(mine["action_mask"])), args.micro_batch_size, tokens, device)
     stats, skipped = train.ppo_update(actor, None, opt, None, mine, micro, args, train.nullcontext, device)

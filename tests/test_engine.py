@@ -1,9 +1,12 @@
-"""The GPU-side engine protocol against a recording fake (no GPU needed), --attn-implementation reaching the
-loaded models, and the embedded model's prepare race between processes."""
+"""The GPU-side engine protocol and memory guards against a recording fake (no GPU needed), the training loop's
+sleep/wake order, --attn-implementation reaching the loaded models, and the embedded model's prepare race
+between processes."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,19 +16,39 @@ import rollout
 from conftest import CPU_ENV, ROOT, run_script
 
 
-class RecordingLLM:
-    """Stands in for vllm.LLM: records the calls VLLMEngine makes, and checks memory state at each one."""
+GiB = 2**30
 
-    def __init__(self, log):
-        self.log, self.asleep = log, set()
+
+class RecordingLLM:
+    """Stands in for vllm.LLM: records the calls VLLMEngine makes, checks memory state at each one and moves a fake
+    device's free memory as vLLM's sleep-mode allocator would (weights 1 GiB, KV cache 3 GiB)."""
+
+    SIZES = {"weights": 1 * GiB, "kv_cache": 3 * GiB}
+
+    def __init__(self, log, device):
+        self.log, self.asleep, self.device = log, set(), device
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",))))
+
+    def _unmap(self, tags):
+        self.device["free"] += sum(self.SIZES[t] for t in set(tags) - self.asleep)
+        self.asleep |= set(tags)
 
     def sleep(self, level=1):
         self.log.append(("sleep", level))
-        self.asleep = {"weights", "kv_cache"}
+        if level:
+            self._unmap(["weights", "kv_cache"])
+
+    def release_kv_cache_memory(self):
+        assert not self.asleep, "vLLM: release_kv_cache_memory() requires all executor memory to be resident"
+        self.log.append(("release_kv_cache_memory",))
+        self._unmap(["kv_cache"])
 
     def wake_up(self, tags=None):
         self.log.append(("wake_up", tags))
-        self.asleep -= set(tags or ("weights", "kv_cache"))
+        tags = set(tags or ("weights", "kv_cache")) & self.asleep
+        self.device["free"] -= sum(self.SIZES[t] for t in tags)
+        assert self.device["free"] >= 0, "CUDA out of memory"
+        self.asleep -= tags
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         assert "weights" not in self.asleep, "weights loaded into memory that is not mapped"
@@ -43,54 +66,187 @@ class RecordingLLM:
         self.log.append(("reset_prefix_cache",))
 
 
-def fake_engine(monkeypatch, on_cpu=False):
-    log = []
+def fake_engine(monkeypatch, on_cpu=False, free=10 * GiB, cuda=True):
+    """A VLLMEngine around RecordingLLM on a fake 16 GiB device (`free` of it free, the trainer holding 2 GiB).
+    generate's engine half (_generate) answers every prompt with `Answer: 4` and an EOS. cuda=False leaves
+    torch.cuda.is_available alone (train.main must still pick the CPU)."""
+    log, device = [], {"free": free, "total": 16 * GiB}
     engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: the fake replaces engine.llm
-    engine.llm, engine.on_cpu, engine.sleeping, engine.dtype = RecordingLLM(log), on_cpu, False, torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
-    return engine, log
+    engine.llm, engine.on_cpu, engine.dtype = RecordingLLM(log, device), on_cpu, torch.bfloat16
+    engine.asleep, engine.asleep_bytes, engine.utilization = set(), 0, 0.5
+    engine.tokenizer = M.load_tokenizer(M.resolve_model("smollm2"))
+    engine.max_model_len = 2048
+    answer = engine.tokenizer.encode("Answer: 4", add_special_tokens=False) + [engine.tokenizer.eos_token_id]
+
+    def _generate(prompts, max_tokens, *args):
+        assert not engine.llm.asleep, "generate on an engine that is not fully awake"
+        log.append(("generate", len(prompts)))
+        return [rollout.Completion(answer, [-0.5] * len(answer), True) for _ in prompts]
+
+    engine._generate = _generate
+    if cuda:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (device["free"], device["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * GiB)
+    return engine, log, device
 
 
-def test_sleep_then_sync_wakes_weights_loads_then_kv_cache(monkeypatch):
-    engine, log = fake_engine(monkeypatch)
+def calls(log):
+    return [c for c in log if c != ("empty_cache",)]
+
+
+def generate(engine):
+    return engine.generate([[1, 2, 3]], 8)
+
+
+def test_rollout_sleep_then_sync_wakes_weights_and_generate_wakes_kv_cache(monkeypatch):
+    engine, log, device = fake_engine(monkeypatch)
     weights = [("model.embed_tokens.weight", torch.zeros(2)), ("model.norm.weight", torch.ones(2))]
+    generate(engine)  # awake: no wake
     engine.sleep()
     engine.sleep()  # already asleep: nothing
+    assert engine.asleep_bytes == 4 * GiB and device["free"] == 14 * GiB  # measured, weights and KV cache
     engine.sync_weights(iter(weights))
-    assert log == [("sleep", 2),  # level 2: every sync overwrites all weights, keep no copy
-                   ("empty_cache",),  # PyTorch's cached blocks back to the driver before vLLM maps memory
-                   ("wake_up", ["weights"]),
-                   ("collective_rpc", "reload_weights", ["model.embed_tokens.weight", "model.norm.weight"]),
-                   ("empty_cache",),  # the gathered full tensors
-                   ("wake_up", ["kv_cache"]),
-                   ("reset_prefix_cache",)]  # KV of the old weights
-    assert not engine.sleeping and not engine.llm.asleep
+    assert calls(log) == [("generate", 1),
+                          ("sleep", 2),  # level 2: every sync overwrites all weights, keep no copy
+                          ("wake_up", ["weights"]),
+                          ("collective_rpc", "reload_weights", ["model.embed_tokens.weight", "model.norm.weight"])]
+    assert log[log.index(("wake_up", ["weights"])) - 1] == ("empty_cache",)  # PyTorch's blocks back first
+    assert log[-1] == ("empty_cache",)  # the gathered full tensors
+    assert engine.asleep == {"kv_cache"} and engine.asleep_bytes == 3 * GiB  # the KV cache waits for generate
+    log.clear()
+    generate(engine)
+    assert calls(log) == [("wake_up", ["kv_cache"]), ("reset_prefix_cache",), ("generate", 1)]
+    assert not engine.asleep and not engine.llm.asleep and engine.asleep_bytes == 0
     log.clear()
     engine.sync_weights(iter(weights))  # awake (e.g. --resume): load and reset only
-    assert log == [("collective_rpc", "reload_weights", [n for n, _ in weights]), ("reset_prefix_cache",)]
+    assert calls(log) == [("collective_rpc", "reload_weights", [n for n, _ in weights]), ("reset_prefix_cache",)]
 
 
-def test_level2_sleep_cannot_wake_without_weights(monkeypatch):
-    engine, log = fake_engine(monkeypatch)
-    engine.sleep()
+def test_validation_sleep_keeps_the_weights_and_frees_the_kv_cache(monkeypatch):
+    engine, log, device = fake_engine(monkeypatch)
+    generate(engine)
+    engine.sleep(keep_weights=True)
+    engine.sleep(keep_weights=True)  # already: nothing
+    assert engine.llm.asleep == {"kv_cache"} and engine.asleep_bytes == 3 * GiB
+    generate(engine)  # the next rollout: the same weights, the KV cache mapped again
+    engine.sleep()  # after it: everything
+    assert calls(log) == [("generate", 1), ("sleep", 0), ("release_kv_cache_memory",), ("wake_up", ["kv_cache"]),
+                          ("reset_prefix_cache",), ("generate", 1), ("sleep", 2)]
     with pytest.raises(RuntimeError, match="sync_weights"):
-        engine.wake_up()
-    engine.sleep(level=1)  # still asleep: no second sleep call
-    assert log == [("sleep", 2)]
-    engine.sleeping = False
-    engine.sleep(level=1)
-    engine.wake_up()  # level 1 kept the weights: a plain wake is fine
-    assert log[1:] == [("sleep", 1), ("empty_cache",), ("wake_up", None), ("reset_prefix_cache",)]
+        engine.wake_up()  # no weights to wake with
+    assert device["free"] == 14 * GiB
 
 
 def test_cpu_engine_never_sleeps_and_repacks_tied_head(monkeypatch):
-    engine, log = fake_engine(monkeypatch, on_cpu=True)
+    engine, log, _ = fake_engine(monkeypatch, on_cpu=True)
     engine.sleep()
+    engine.sleep(keep_weights=True)
     engine.sync_weights([("model.norm.weight", torch.ones(2))])
-    assert log == [("collective_rpc", "reload_weights", ["model.norm.weight"]), ("apply_model",),
-                   ("reset_prefix_cache",)]
+    generate(engine)
+    assert calls(log) == [("collective_rpc", "reload_weights", ["model.norm.weight"]), ("apply_model",),
+                          ("reset_prefix_cache",), ("generate", 1)]
     assert engine.llm.dtypes == [torch.bfloat16]  # fp32 master weights arrive in the engine's dtype
+
+
+class FakeShard:
+    """Stands in for an FSDP2 parameter (a DTensor) on a CUDA mesh: with --offload its shard lives on the CPU."""
+    device_mesh = SimpleNamespace(device_type="cuda")
+
+    def __init__(self, name, log, device):
+        self.name, self.log, self.device = name, log, torch.device(device)
+
+    def to(self, device):
+        self.log.append(("to", self.name, device))
+        return FakeShard(self.name, self.log, device)
+
+    def full_tensor(self):
+        self.log.append(("gather", self.name, self.device.type))  # the all-gather runs where the shard is
+        return torch.zeros(2)
+
+
+def test_offload_sync_gathers_on_the_gpu_one_tensor_at_a_time(monkeypatch):
+    import torch.distributed.tensor
+
+    import parallel
+
+    log = []
+    monkeypatch.setattr(torch.distributed.tensor, "DTensor", FakeShard)
+    params = [("a.weight", FakeShard("a.weight", log, "cpu")), ("b.weight", FakeShard("b.weight", log, "cpu")),
+              ("c.weight", FakeShard("c.weight", log, "cuda"))]  # not offloaded: gathered where it is
+    model = SimpleNamespace(named_modules=lambda: [], named_parameters=lambda: params)
+    for name, _ in parallel.full_state_dict(model):
+        log.append(("loaded", name))
+    assert log == [("to", "a.weight", "cuda"), ("gather", "a.weight", "cuda"), ("loaded", "a.weight"),
+                   ("to", "b.weight", "cuda"), ("gather", "b.weight", "cuda"), ("loaded", "b.weight"),
+                   ("gather", "c.weight", "cuda"), ("loaded", "c.weight")]
+
+
+# ----------------------------------------------------------------------------- memory guards
+
+def test_engine_memory_error_arithmetic():
+    total = 80 * GiB
+    need = math.ceil(0.4 * total)  # vLLM 0.32: a share of TOTAL memory, which must be free at start-up
+    assert M.engine_memory_error("start", need, 33 * GiB, total, 40 * GiB, 0.4) is None
+    msg = M.engine_memory_error("start", need, 20 * GiB, total, 55 * GiB, 0.4)
+    assert "\n" not in msg and "32.0 GiB must be free" in msg and "only 20.0 GiB of 80.0 GiB is free" in msg
+    assert "this trainer holds 55.0 GiB, other processes 5.0 GiB" in msg
+    assert "lower --gpu-memory-utilization to 0.25 or less" in msg and "--offload" in msg  # 20 / 80
+    msg = M.engine_memory_error("wake", 30 * GiB, 12 * GiB, total, 60 * GiB, 0.4)
+    assert "cannot wake up" in msg and "need 30.0 GiB" in msg and "--offload" in msg
+    assert "--gpu-memory-utilization from 0.4" in msg
+    assert M.engine_memory_error("wake", 30 * GiB, 30 * GiB, total, 0, 0.4) is None
+    assert "free the device" in M.engine_memory_error("start", need, 0, total, 80 * GiB, 0.4)
+
+
+def test_wake_that_cannot_fit_dies_in_one_line(monkeypatch, capsys):
+    engine, log, device = fake_engine(monkeypatch)
+    engine.sleep()  # frees 4 GiB: 14 free
+    device["free"] -= 12 * GiB  # the trainer's gradients and Adam state arrive: 2 GiB free
+    with pytest.raises(SystemExit) as e:
+        engine.sync_weights(iter([("model.norm.weight", torch.ones(2))]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "need 4.0 GiB" in err and "only 2.0 GiB" in err, err
+    assert ("wake_up", ["weights"]) not in log  # it died before vLLM could fail
+    with pytest.raises(SystemExit):
+        engine._check_memory("start", math.ceil(0.5 * 16 * GiB))  # 8 GiB asked, 2 free
+    assert "lower --gpu-memory-utilization to 0.12 or less" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the loop's order (train.main)
+
+@pytest.mark.slow  # one train.py step on the tiny model, two validations
+def test_train_loop_keeps_the_engine_asleep_except_in_generate(tiny_model_dir, tmp_path, monkeypatch):
+    """train.main against the recording engine: the KV cache is mapped only while generating. Rollout -> sleep
+    (all); sync wakes the weights only; validation: wake the KV cache -> generate -> sleep (KV cache); the
+    checkpoint is written while it sleeps; the next generate wakes it again."""
+    import train
+
+    engine, log, _ = fake_engine(monkeypatch, cuda=False)
+    monkeypatch.setattr(rollout, "make_engine", lambda *a, **k: engine)
+    real_save = train.save_checkpoint
+
+    def save_checkpoint(*a, **k):
+        log.append(("checkpoint", sorted(engine.llm.asleep)))
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(train, "save_checkpoint", save_checkpoint)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    train.main(["--model", tiny_model_dir, "--data", "arith_train", "--val-data", "arith_test", "--val-limit", "2",
+                "--out", str(tmp_path / "out"), "--steps", "1", "--batch-size", "2", "--samples-per-prompt", "2",
+                "--adv", "grpo", "--max-turns", "0", "--turn-tokens", "8", "--dtype", "float32",
+                "--val-before-train", "--test-freq", "1"])
+    got = [c[0] if c[0] != "wake_up" else f"wake_up {c[1]}" for c in calls(log)
+           if c[0] not in ("reset_prefix_cache", "apply_model")]
+    assert got == ["generate",  # validation before training: the engine starts awake
+                   "sleep", "release_kv_cache_memory",  # its KV cache freed, weights kept
+                   "wake_up ['kv_cache']", "generate", "sleep",  # the rollout, then level 2 for the update
+                   "wake_up ['weights']", "collective_rpc",  # the sync: weights only
+                   "wake_up ['kv_cache']", "generate", "sleep", "release_kv_cache_memory",  # validation
+                   "checkpoint", "shutdown"], got
+    assert ("checkpoint", ["kv_cache"]) in log  # written with the KV cache asleep
+    assert [c[1] for c in log if c[0] == "sleep"] == [0, 2, 0]
 
 
 def test_private_vllm_paths_live_in_one_function():

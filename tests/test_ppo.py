@@ -261,6 +261,73 @@ def test_policy_loss_dual_clip():
         ppo.policy_loss(ratio.log(), old, adv, mask, dual_clip=1.0)
 
 
+# ----------------------------------------------------------------------------- rollout IS (TIS)
+def naive_is_weights(old, rollout, mask, cap, level):
+    """Per-row loop: token level min(exp(old - rollout), C); sequence level one min(exp(sum), C) per row."""
+    B, T = mask.shape
+    w = np.zeros((B, T))
+    for b in range(B):
+        pos = [t for t in range(T) if mask[b, t]]
+        total = sum(float(old[b, t] - rollout[b, t]) for t in pos)
+        for t in pos:
+            w[b, t] = min(math.exp(total if level == "sequence" else float(old[b, t] - rollout[b, t])), cap)
+    return w
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_match_naive_loop(level):
+    gen = torch.Generator().manual_seed(5)
+    B, T = 6, 9
+    mask = random_mask(B, T, gen)
+    old = -2 * torch.rand(B, T, generator=gen)
+    rollout = old + 0.3 * torch.randn(B, T, generator=gen)  # a gap in both directions
+    rollout[~mask] = float("nan")  # garbage outside the mask must not leak
+    w, stats = ppo.rollout_is_weights(old, rollout, mask, cap=1.2, level=level)
+    want = naive_is_weights(old, rollout, mask, 1.2, level)
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert not w.requires_grad and torch.equal(w[~mask], torch.zeros(int((~mask).sum())))
+    assert float(stats["is_weight_mean"]) == pytest.approx(want[mask.numpy()].mean(), rel=1e-5)
+    raw = naive_is_weights(old, rollout, mask, float("inf"), level)
+    assert float(stats["is_clipped_share"]) == pytest.approx((raw[mask.numpy()] > 1.2).mean())
+    with pytest.raises(ValueError):
+        ppo.rollout_is_weights(old, rollout, mask, level="batch")
+
+
+def test_rollout_is_with_equal_logprobs_leaves_the_update_unchanged():
+    gen = torch.Generator().manual_seed(6)
+    B, T = 4, 7
+    mask = random_mask(B, T, gen)
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+    now = old + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)  # some tokens clip
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    w, stats = ppo.rollout_is_weights(old, old, mask, cap=2.0)
+    assert float(stats["is_weight_mean"]) == 1.0 and float(stats["is_clipped_share"]) == 0.0
+    for agg in ppo.AGG_MODES:
+        loss, grad, _ = pg_grad(now, old, adv, mask, agg=agg)
+        loss_w, grad_w, _ = pg_grad(now, old, adv, mask, agg=agg, is_weights=w)
+        assert float(loss_w) == float(loss) and torch.equal(grad_w, grad)
+
+
+def test_rollout_is_corrects_a_scripted_gap_and_caps_it():
+    """The engine gave token 0 half the trainer's probability (weight 2 up to the cap), token 1 double (weight
+    0.5), token 2 a tenth (weight 10, capped): at ratio 1 each token's gradient is -A * w / n."""
+    old = torch.log(torch.tensor([[0.4, 0.4, 0.5, 0.3]], dtype=torch.float64))
+    rollout = torch.log(torch.tensor([[0.2, 0.8, 0.05, 0.3]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
+    w, stats = ppo.rollout_is_weights(old, rollout, mask, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 3.0, 0.0]]))
+    assert float(stats["is_clipped_share"]) == pytest.approx(1 / 3)
+    assert float(stats["is_weight_mean"]) == pytest.approx(5.5 / 3)
+    loss, grad, _ = pg_grad(old, old, adv, mask, is_weights=w)
+    torch.testing.assert_close(grad, torch.tensor([[-2.0 / 3, -0.5 / 3, 3.0 / 3, 0.0]], dtype=torch.float64))
+    assert float(loss) == pytest.approx((-2.0 - 0.5 + 3.0) / 3)
+    # sequence level: one weight for the row, exp(log 2 + log 0.5 + log 10) = 10, capped at 3
+    w_seq, stats = ppo.rollout_is_weights(old, rollout, mask, cap=3.0, level="sequence")
+    torch.testing.assert_close(w_seq, torch.tensor([[3.0, 3.0, 3.0, 0.0]]))
+    assert float(stats["is_clipped_share"]) == 1.0
+
+
 # ----------------------------------------------------------------------------- value loss
 def test_value_loss_clipping_hand_cases():
     v = torch.tensor([[1.0, 1.0, 0.3, 9.0]], dtype=torch.float64)

