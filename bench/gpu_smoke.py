@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import packing  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 from model import (default_device, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs,  # noqa: E402
@@ -42,12 +43,10 @@ def trainer_logprobs(model, ro, temperature, device):
     """The trainer's log-probs of the sampled tokens (train.py's token_logprobs, bf16 autocast on CUDA) and the
     batch -> (logprobs [B, R], batch)."""
     b = rollout.to_batch(ro, pad_id=0)
-    ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1).to(device)
-    mask = torch.cat([b["prompt_mask"], b["response_mask"]], 1).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                         enabled=False)
     with torch.no_grad(), autocast:
-        lp = token_logprobs(model, ids, mask, b["prompt_ids"].shape[1], temperature=temperature)
+        lp = token_logprobs(model, packing.pack(b, torch.arange(len(ro)), device), temperature=temperature)
     return lp.float().cpu(), b
 
 

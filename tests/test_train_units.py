@@ -202,13 +202,12 @@ def actor_mb(model, gap=None):
     g = torch.Generator().manual_seed(1)
     B, P, R = 3, 5, 8
     ids = torch.randint(3, 4000, (B, P + R), generator=g)
-    attn = torch.ones_like(ids)
+    mb = packing.from_padded(ids, torch.ones_like(ids), P)
     with torch.no_grad():
-        old = M.token_logprobs(model, ids, attn, P)  # [B, R]
+        old = M.token_logprobs(model, mb)  # [B, R]
     mask = torch.ones(B, R)
     mask[0, 5:] = 0  # an intervention / padding tail
-    return dict(input_ids=ids, attention_mask=attn, response_start=P, action_mask=mask, old_logprobs=old,
-                ref_logprobs=old, advantages=torch.randn(B, R, generator=g),
+    return dict(mb, action_mask=mask, old_logprobs=old, ref_logprobs=old, advantages=torch.randn(B, R, generator=g),
                 rollout_logprobs=old if gap is None else old - gap)
 
 
