@@ -57,7 +57,7 @@ demo: $(STAMP)
 # runs/compare/summary.md. RUNS and SEEDS pick runs and seeds; MODEL, DATA, VAL and ARGS override the
 # model, the data, the validation set and any train.py flag (COMPARE_BASE replaces the demo's settings
 # whole); LAUNCH runs train.py (e.g. torchrun --nproc_per_node 8); COMPARE_FLAGS=--train-only or
-# --summarize splits the work over machines (README: "MuTIS against its baselines").
+# --summarize splits the work over machines (docs/results.md: "make compare").
 RUNS ?= mutis single_cap single_hard length_penalty
 SEEDS ?= 0
 COMPARE_BASE ?= $(DEMO_ARGS) --test-freq 4 --val-limit 50

@@ -1,6 +1,6 @@
 """Benchmark evaluation: accuracy and token efficiency of checkpoints, side by side.
 
-    python eval.py smollm2 runs/demo/step_50 --benchmarks math500,gsm8k --max-response-tokens 1024 \\
+    python eval.py smollm2 runs/demo/step_000012 --benchmarks math500,gsm8k --max-response-tokens 1024 \\
         --limit 50 --budgets 256,512,1024 --out runs/eval
     python eval.py --score generations.parquet      # score existing generations, no model
 
