@@ -427,6 +427,7 @@ def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocas
               file=sys.stderr, flush=True)
         return stats, False
     opt.step()
+    opt.zero_grad(set_to_none=True)  # the gradients' memory is free before the engine wakes (and between models)
     return stats, True
 
 

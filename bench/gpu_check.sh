@@ -5,14 +5,16 @@
 #                                     # runs/gpu_check/models/ = SmolLM2's config + tokenizer, no weights (4 MB)
 #   bash bench/gpu_check.sh           # on the GPU machine (carry runs/gpu_check along)
 #
-# What it runs there:
-#   1. torchrun --nproc_per_node 1 train.py --engine hf (one rank, NCCL, bf16 mixed precision) on a tiny
-#      random Llama and on a small one (hidden 512, 8 layers; built there from the tokenizer), each with
-#      --grad-checkpointing off and on, printing the peak CUDA memory of the PPO update and of the whole run:
-#      checkpointing must lower the update peak. SmolLM2 too when its weights are present (models/ or
-#      $MUTIS_MODELS_DIR).
-#   2. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
-# Environment: PYTHON (default python3), STEP_TIMEOUT (seconds per training run, default 240).
+# What it runs there (about 9 minutes on an H200; the device tool's whole lease is 15):
+#   1. bench/gpu_bench.py: the trainer's log-prob pass and update on the R1-Distill-Qwen-1.5B shape, model TFLOP/s,
+#      share of the bf16 peak, memory per token, padding; with .before/ (git archive OLD | tar -x -C .before,
+#      carried along) the padded trainer of that commit too, for before/after in one run.
+#   2. torchrun --nproc_per_node 1 train.py --engine hf (one rank, NCCL, bf16 mixed precision) on a small random
+#      Llama (hidden 512, 8 layers; built there from the tokenizer) with --grad-checkpointing off and on, printing
+#      the peak CUDA memory of the PPO update and of the whole run: checkpointing must lower the update peak.
+#   3. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
+# Environment: PYTHON (default python3), BENCH_TIMEOUT (330), STEP_TIMEOUT (240 per training run), TEST_TIMEOUT
+# (300); OUT: a folder that gets gpu_bench.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -52,14 +54,14 @@ fi
 [[ -f $MUTIS_MODELS_DIR/smollm2-135m-instruct/tokenizer.json ]] || {
     echo "no tokenizer under $MUTIS_MODELS_DIR: run 'bash bench/gpu_check.sh prepare' where models/ exists"; exit 1; }
 mkdir -p "$WORK"
+fail=0
 "$PY" - <<EOF || exit 1
 import model
 model.make_tiny("$WORK/tiny")
 model.make_tiny("$WORK/small", hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536)
 print("built $WORK/tiny and $WORK/small")
 EOF
-MODELS="$WORK/tiny $WORK/small"
-[[ -f $MUTIS_MODELS_DIR/smollm2-135m-instruct/model.safetensors ]] && MODELS="$MODELS $MUTIS_MODELS_DIR/smollm2-135m-instruct"
+MODELS="$WORK/small"
 
 # train.main with the peak CUDA memory of each PPO update recorded (reset before it, read after it)
 cat > "$WORK/peak.py" <<'EOF'
@@ -82,9 +84,14 @@ print("PEAK " + json.dumps({"update_gib": round(max(peaks) / 2**30, 4), "run_gib
       flush=True)
 EOF
 
+echo "== bench/gpu_bench.py: model TFLOP/s, memory per token, padding (before: .before/, an earlier commit, if present)"
+before=(); [[ -f .before/train.py ]] && before=(--before .before)
+timeout "${BENCH_TIMEOUT:-330}" "$PY" bench/gpu_bench.py "${before[@]}" --out "$WORK/gpu_bench.json" \
+    || { echo "gpu_bench: FAILED or timed out"; fail=1; }
+[[ -n "${OUT:-}" && -f $WORK/gpu_bench.json ]] && cp "$WORK/gpu_bench.json" "$OUT/"
+
 echo "== train.py --engine hf, 1 rank, NCCL, bf16 mixed precision"
 declare -A PEAK
-fail=0
 for m in $MODELS; do
     for gc in off on; do
         out=$WORK/out-$(basename "$m")-$gc
@@ -111,8 +118,9 @@ for m in $MODELS; do
 done
 
 echo "== pytest: the files that need no vLLM"
-timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_data.py tests/test_reward.py tests/test_ppo.py \
-    tests/test_model.py tests/test_engine.py tests/test_train_units.py tests/test_turn_rule.py tests/test_multirank.py \
+timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider tests/test_data.py tests/test_reward.py \
+    tests/test_ppo.py tests/test_model.py tests/test_packing.py tests/test_engine.py tests/test_train_units.py \
+    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py \
     -k "not smollm2_generates" -rs 2>&1 | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
 echo "== gpu_check: $([[ $fail -eq 0 ]] && echo PASSED || echo FAILED)"
