@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test --system-prompt answer-line \
 	--steps 12 --batch-size 4 --samples-per-prompt 6 --micro-batch-size 8 --mini-batch-size 24 \
 	--max-turns 2 --turn-tokens 64 --adv grpo --actor-lr 3e-5 --actor-warmup-ratio 0 --temperature 0.8 \
-	--val-before-train --test-freq 12 --enforce-eager --out runs/demo
+	--val-before-train --val-freq 12 --enforce-eager --out runs/demo
 
 demo: $(STAMP)
 	$(PY) model.py prepare
@@ -60,7 +60,7 @@ demo: $(STAMP)
 # --summarize splits the work over machines (docs/results.md: "make compare").
 RUNS ?= mutis single_cap single_hard length_penalty
 SEEDS ?= 0
-COMPARE_BASE ?= $(DEMO_ARGS) --test-freq 4 --val-limit 50
+COMPARE_BASE ?= $(DEMO_ARGS) --val-freq 4 --val-limit 50
 compare: $(STAMP)
 	$(PY) bench/compare.py --runs "$(RUNS)" --seeds "$(SEEDS)" $(if $(LAUNCH),--launcher "$(LAUNCH)") \
 		$(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \

@@ -28,8 +28,9 @@ import json
 import os
 import random
 import re
-import sys
 from pathlib import Path
+
+from cli import ArgumentParser, deprecated, die, positive_int
 
 ROOT = Path(__file__).resolve().parent
 SYSTEM_PROMPTS = {
@@ -54,7 +55,8 @@ TRAIN_SETS = {
     "math_train": "data/math_train.jsonl",
     "aime_train": "data/aime_1983_2023_train.jsonl",
 }
-ARITH_SETS = {"arith_train": ("train", 1000), "arith_test": ("test", 100)}  # generated on the fly, seed 42
+ARITH_SETS = {"arith_train": ("train", 1000), "arith_test": ("test", 100)}  # generated on the fly, seed ARITH_SEED
+ARITH_SEED = 42
 BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS)  # every name load_dataset takes besides a path
 ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -62,40 +64,6 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 
 class DataError(ValueError):
     """Bad input data; the message is one line naming file, row and column."""
-
-
-# ----------------------------------------------------------------------------- CLI errors, atomic writes (every CLI's)
-
-def die(msg):
-    """A bad input: one line on stderr, exit code 2."""
-    line = "error: " + str(msg).replace("\n", " ") + "\n"
-    sys.stderr.write(line)  # one write: ranks sharing a pipe (PYTHONUNBUFFERED) cannot split the line
-    sys.stderr.flush()
-    raise SystemExit(2)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose bad-flag errors are one `die` line (exit 2) instead of usage text. No abbreviations:
-    `--intervention` must not silently mean `--intervention-text`, nor `--n` some other flag."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):
-        die(message)
-
-
-def write_atomic(path, data):
-    """Write text or bytes to a temp file beside `path`, then rename: a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # one per process: ranks never share a temp file
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- reading rows
@@ -305,7 +273,7 @@ def load_dataset(spec, system_prompt=None, limit=None):
     spec = str(spec)
     if spec in ARITH_SETS:
         split, n = ARITH_SETS[spec]
-        rows = ((f"row {i}", r) for i, r in enumerate(make_arith(n, split=split)))
+        rows = ((f"row {i}", r) for i, r in enumerate(make_arith(n, ARITH_SEED, split=split)))
         records = _load_problems(rows, spec, problem_system, "arith")
     elif spec in BENCHMARKS or spec in TRAIN_SETS:
         path = ROOT / {**BENCHMARKS, **TRAIN_SETS}[spec]
@@ -373,14 +341,6 @@ def _write_tables(tables):
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
-
-
-def write_parquet(records, path, split="train"):
-    """Write normalised records as one reference-layout parquet file, atomically."""
-    if not records:
-        raise DataError(f"{path}: refusing to write an empty dataset")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _write_tables({path: _table(records, split)})
 
 
 def _write_splits(out, train, test):
@@ -466,7 +426,7 @@ def cmd_r1_220k(args):
     _write_splits(args.out, *_split(records, args.test_frac, args.seed, args.input))
 
 
-def make_arith(n, seed=42, digits=2, ops="+,*", split="train"):
+def make_arith(n, seed=ARITH_SEED, digits=2, ops="+,*", split="train"):
     """Seeded arithmetic problems [{id, problem, answer}].
 
     Per item: an operator from `ops`, then a digit count d: + and - take two d-digit operands with
@@ -495,8 +455,6 @@ def make_arith(n, seed=42, digits=2, ops="+,*", split="train"):
 
 
 def cmd_arith(args):
-    if args.n_train < 1 or args.n_test < 1:
-        raise DataError(f"--n-train {args.n_train} / --n-test {args.n_test}: both must be >= 1")
     train, test = ([_templated(r["id"], "arith", r["problem"], r["answer"], i)
                     for i, r in enumerate(make_arith(n, args.seed, args.digits, args.ops, split))]
                    for split, n in (("train", args.n_train), ("test", args.n_test)))
@@ -504,7 +462,7 @@ def cmd_arith(args):
 
 
 def cmd_show(args):
-    records = load_dataset(args.spec, args.system, args.limit)
+    records = load_dataset(args.spec, args.system_prompt, args.limit)
     print(f"{len(records)} records from {args.spec}")
     print(json.dumps(records[0], ensure_ascii=False, indent=1))
 
@@ -518,22 +476,23 @@ def main(argv=None):
         s.add_argument("--input", required=True, help=what)
         s.add_argument("--out", required=True, help="output directory")
         s.add_argument("--test-frac", type=float, default=frac, help="fraction held out as test.parquet")
-        s.add_argument("--seed", type=int, default=42, help="shuffle seed for the split")
+        s.add_argument("--seed", type=int, default=0, help="shuffle seed for the split")
         s.set_defaults(func=func)
     s.add_argument("--keep-mc", action="store_true", help="keep multiple-choice problems (dropped by default)")
     s.add_argument("--max-answer-chars", type=int, default=50, help="drop longer answers (0: keep all)")
     s = sub.add_parser("arith", help="seeded synthetic arithmetic -> train/test.parquet")
     s.add_argument("--out", required=True, help="output directory")
-    s.add_argument("--n-train", type=int, default=ARITH_SETS["arith_train"][1], help="training problems")
-    s.add_argument("--n-test", type=int, default=ARITH_SETS["arith_test"][1], help="test problems")
-    s.add_argument("--seed", type=int, default=42, help="generator seed")
+    s.add_argument("--n-train", type=positive_int, default=ARITH_SETS["arith_train"][1], help="training problems")
+    s.add_argument("--n-test", type=positive_int, default=ARITH_SETS["arith_test"][1], help="test problems")
+    s.add_argument("--seed", type=int, default=0, help=f"generator seed (arith_train/arith_test use {ARITH_SEED})")
     s.add_argument("--digits", type=int, default=2, help="max digits of + and - operands (* uses digits-1)")
     s.add_argument("--ops", default="+,*", help="comma-separated operators from + - *")
     s.set_defaults(func=cmd_arith)
     s = sub.add_parser("show", help="load a dataset, print its size and first record")
     s.add_argument("spec", help="bundled name or path")
-    s.add_argument("--system", default=None, help="system prompt: eval, train, none or literal text")
-    s.add_argument("--limit", type=int, default=None, help="load at most this many records")
+    s.add_argument("--system-prompt", default=None, help="system prompt: eval, train, answer-line, none or literal text")
+    s.add_argument("--system", dest="system_prompt", action=deprecated("--system", "--system-prompt"), help=argparse.SUPPRESS)
+    s.add_argument("--limit", type=positive_int, default=None, help="load at most this many records")
     s.set_defaults(func=cmd_show)
     args = p.parse_args(argv)
     try:

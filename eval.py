@@ -37,7 +37,8 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
-from data import DataError, die, read_rows, write_atomic
+from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
+from data import DataError, read_rows
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
@@ -68,7 +69,7 @@ def versions():
 def generate(engine, tokenizer, records, args, desc="", prompts=None):
     """Roll out every record (n samples each) -> unscored sample dicts, in record order.
 
-    Problems go to the engine in chunks of --batch-size so that tqdm can show progress;
+    Problems go to the engine in chunks of --engine-batch so that tqdm can show progress;
     within a chunk the engine batches freely.
     """
     import rollout
@@ -82,15 +83,12 @@ def generate(engine, tokenizer, records, args, desc="", prompts=None):
     intervention_ids = rollout.intervention_ids(tokenizer, args.intervention_text)
     samples = []
     with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
-        for start in range(0, len(prompts), args.batch_size):
-            chunk = prompts[start:start + args.batch_size]
-            # per-sample seeds derive from (seed, global prompt index): results do not depend on --batch-size
-            trajs = rollout.sample(
-                engine, chunk, n=args.samples_per_prompt, max_turns=args.max_turns,
-                turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
-                max_response_tokens=gen_tokens, temperature=args.temperature, top_p=args.top_p,
-                seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=cuts(args),
-                intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout, prompt_indices=range(start, start + len(chunk)))
+        for start in range(0, len(prompts), args.engine_batch):
+            chunk = prompts[start:start + args.engine_batch]
+            # per-sample seeds derive from (seed, global prompt index): results do not depend on --engine-batch
+            trajs = rollout.sample(engine, chunk, prompt_indices=range(start, start + len(chunk)), **rollout.sample_kwargs(
+                args, intervention_ids, eos_ids, turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
+                max_response_tokens=gen_tokens, cut_at_answer=cuts(args)))
             for t in trajs:
                 rec = records[t["prompt_index"]]
                 samples.append({
@@ -360,7 +358,6 @@ def write_outputs(out, names, samples, summary, budgets):
 
 def parse_args(argv=None):
     import rollout  # the sampling flags are rollout.py's, shared with train.py
-    from model import ArgumentParser
 
     # evaluation is greedy and single-turn with a 4096-token response cap unless asked (the paper's eval)
     shared = rollout.sampling_flags(temperature=0.0, max_turns=0, max_response_tokens=4096, system_prompt="eval")
@@ -370,15 +367,14 @@ def parse_args(argv=None):
     p.add_argument("--score", metavar="FILE", help="score existing generations (.parquet/.jsonl) instead of generating")
     p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS, help="comma-separated benchmark names or dataset paths")
     p.add_argument("--budgets", default="", help="comma-separated token limits for the budget sweep, e.g. 1000,2000,4000")
-    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    p.add_argument("--batch-size", type=int, default=64, help="problems per engine call (progress granularity)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N problems of each benchmark")
+    p.add_argument("--engine-batch", type=positive_int, default=64, help="problems per engine call (progress granularity)")
+    p.add_argument("--batch-size", dest="engine_batch", type=positive_int, help=argparse.SUPPRESS,
+                   action=deprecated("--batch-size", "--engine-batch"))
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
     p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP)")
     args = p.parse_args(argv)
     rollout.check_sampling_args(args)
-    for flag in ("batch_size",) + (("limit",) if args.limit is not None else ()):
-        if getattr(args, flag) < 1:
-            die(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:
         args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import packing
-from data import ArgumentParser, die  # noqa: F401 (also used as model.ArgumentParser)
+from cli import ArgumentParser, die
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = Path(os.environ.get("MUTIS_MODELS_DIR", ROOT / "models"))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import die
+from cli import die
 from model import VALUE_HEAD_FILE, ValueModel
 
 

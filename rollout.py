@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import (ArgumentParser, choose_dtype, default_device, die, end_of_turn_ids, engine_memory_error,
+from cli import ArgumentParser, die, positive_int, write_atomic
+from model import (choose_dtype, default_device, end_of_turn_ids, engine_memory_error,
                    keep_freed_memory, load_causal_lm, load_tokenizer, quiet_logs, resolve_model)
-from data import write_atomic
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
 INTERVENTIONS = {
@@ -621,10 +621,10 @@ def sampling_flags(**defaults):
     a = p.add_argument_group("sampling and interventions (shared by train.py, rollout.py, eval.py)").add_argument
     a("--system-prompt", default=None, help="eval | train | answer-line | none | literal text (default: %(default)s; "
                                             "None: the eval prompt for raw problems, parquet prompts as stored)")
-    a("--samples-per-prompt", type=int, default=1, help="samples per prompt (default: %(default)s)")
+    a("--samples-per-prompt", type=positive_int, default=1, help="samples per prompt (default: %(default)s)")
     a("--max-turns", type=int, default=3, help="interventions per response at most, 0 = single turn (default: %(default)s)")
-    a("--turn-tokens", type=int, default=1000, help="token budget of one turn (default: %(default)s)")
-    a("--max-response-tokens", type=int, default=None,
+    a("--turn-tokens", type=positive_int, default=1000, help="token budget of one turn (default: %(default)s)")
+    a("--max-response-tokens", type=positive_int, default=None,
       help="cap on a whole response, all turns and interventions (default: %(default)s; None: every turn at full "
            "budget plus every intervention)")
     a("--turn-rule", choices=TURN_RULES, default="reference",
@@ -636,7 +636,7 @@ def sampling_flags(**defaults):
     a("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default: %(default)s)")
     a("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     a("--seed", type=int, default=0, help="base seed; per-sample seeds derive from it and the prompt index")
-    a("--max-prompt-length", type=int, default=None, help="longest prompt in tokens (default: %(default)s)")
+    a("--max-prompt-length", type=positive_int, default=None, help="longest prompt in tokens (default: %(default)s)")
     a("--truncate-prompts", action="store_true", help="left-truncate longer prompts instead of failing")
     a("--engine", choices=("vllm", "hf"), default="vllm", help="vllm, or transformers (hf) for debugging")
     a("--engine-dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else "
@@ -653,12 +653,19 @@ def sampling_flags(**defaults):
     return p
 
 
+def sample_kwargs(args, intervention_ids, eos_ids=None, **overrides):
+    """rollout.sample's keyword arguments from the shared flags (sampling_flags), for every caller; overrides: what
+    a caller's job changes (validation is greedy, eval.py's budgets). With no --max-response-tokens the cap is the
+    longest possible response: every turn at full budget plus every intervention."""
+    cap = args.max_response_tokens or (args.max_turns + 1) * args.turn_tokens + args.max_turns * len(intervention_ids)
+    return dict(dict(n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
+                     max_response_tokens=cap, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
+                     intervention_ids=intervention_ids, eos_ids=eos_ids, timeout=args.rollout_timeout), **overrides)
+
+
 def check_sampling_args(args):
-    """The shared flags' one-line errors (model.die), before any model loads."""
-    for flag in ("samples_per_prompt", "turn_tokens", "max_response_tokens", "max_prompt_length"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            die(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    """The shared flags' one-line errors (cli.die), before any model loads (counts: cli.positive_int)."""
     if args.max_turns < 0:
         die(f"--max-turns must be >= 0, got {args.max_turns}")
     if args.temperature < 0:
@@ -680,14 +687,11 @@ def parse_args(argv=None):
                        parents=[sampling_flags()])
     p.add_argument("--model", default="smollm2", help="alias (smollm2), HF model directory or hub id")
     p.add_argument("--data", required=True, help="bundled dataset name or .jsonl/.json/.parquet path")
-    p.add_argument("--limit", type=int, default=None, help="use the first N records")
-    p.add_argument("--max-model-len", type=int, default=None, help="engine context length (default: model's)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use the first N records")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="engine context length (default: model's)")
     p.add_argument("--out", required=True, help="output .jsonl, one trajectory per line")
     args = p.parse_args(argv)
     check_sampling_args(args)
-    for flag in ("limit", "max_model_len"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            die(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return args
 
 
@@ -714,11 +718,8 @@ def main(argv=None):
                          enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation)
     t0 = time.perf_counter()
     try:
-        rollout = sample(engine, prompts, n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,
-                         max_response_tokens=args.max_response_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed, stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
-                         intervention_ids=intervention_ids(tokenizer, args.intervention_text),
-                         eos_ids=end_of_turn_ids(model_path, tokenizer), timeout=args.rollout_timeout)
+        rollout = sample(engine, prompts, **sample_kwargs(args, intervention_ids(tokenizer, args.intervention_text),
+                                                          end_of_turn_ids(model_path, tokenizer)))
     except (RolloutTimeout, PromptTooLong) as e:
         die(str(e))
     finally:

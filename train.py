@@ -38,11 +38,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data as data_lib
-from data import write_atomic
 import ppo
 import reward
 import rollout
-from model import (ArgumentParser, check_attn_implementation, choose_dtype, die, end_of_turn_ids, keep_freed_memory,
+from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
+from model import (check_attn_implementation, choose_dtype, end_of_turn_ids, keep_freed_memory,
                    load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
 from packing import forward_pass, micro_batches, pack, padding_counts
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
@@ -59,19 +59,19 @@ def parse_args(argv=None):
     a("--critic-model", default=None, help="critic backbone (default: the policy's)")
     a("--data", required=True, help="training data: bundled name, .jsonl/.parquet file or a directory")
     a("--val-data", default=None, help="validation data (same forms as --data)")
-    a("--val-limit", type=int, default=None, help="use only the first N validation prompts")
+    a("--val-limit", type=positive_int, default=None, help="use only the first N validation prompts")
     a("--out", default="runs/mutis", help="output directory: checkpoints, metrics.jsonl, curves.png")
     # schedule
-    a("--steps", type=int, default=None, help="training steps (overrides --epochs)")
-    a("--epochs", type=int, default=1, help="passes over the training data when --steps is not given")
-    a("--batch-size", type=int, default=64, help="prompts per step, global")
-    a("--mini-batch-size", type=int, default=None,
+    a("--steps", type=positive_int, default=None, help="training steps (overrides --epochs)")
+    a("--epochs", type=positive_int, default=1, help="passes over the training data when --steps is not given")
+    a("--batch-size", type=positive_int, default=64, help="prompts per step, global")
+    a("--mini-batch-size", type=positive_int, default=None,
       help="trajectories per optimiser step, global (default: half the batch, two steps as in the reference run)")
-    a("--micro-batch-size", type=int, default=4, help="trajectories per forward/backward on one rank")
-    a("--micro-batch-tokens", type=int, default=None,
+    a("--micro-batch-size", type=positive_int, default=4, help="trajectories per forward/backward on one rank")
+    a("--micro-batch-tokens", type=positive_int, default=None,
       help="fill each forward/backward up to this many tokens (prompt + response) instead of --micro-batch-size "
            "trajectories: a few long trajectories and many short ones each use the GPU well")
-    a("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
+    a("--ppo-epochs", type=positive_int, default=1, help="passes over each rollout batch")
     # optimisation
     a("--actor-lr", type=float, default=1e-6, help="actor learning rate")
     a("--critic-lr", type=float, default=1e-5, help="critic learning rate")
@@ -105,7 +105,8 @@ def parse_args(argv=None):
     # bookkeeping and platform
     a("--save-freq", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
     a("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
-    a("--test-freq", type=int, default=0, help="validate every N steps (0 = never)")
+    a("--val-freq", type=int, default=0, help="validate every N steps (0 = never)")
+    a("--test-freq", dest="val_freq", type=int, help=argparse.SUPPRESS, action=deprecated("--test-freq", "--val-freq"))
     a("--val-before-train", action="store_true", help="validate before the first step")
     a("--resume", action="store_true", help="continue from OUT/latest")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
@@ -114,7 +115,7 @@ def parse_args(argv=None):
       help="trainer compute dtype, params stay fp32 (auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16)")
     a("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for the slowest rank (NCCL "
                                                        "watchdog): longer than the slowest rank's rollout")
-    a("--max-bad-steps", type=int, default=5, help="stop after K non-finite updates in a row")
+    a("--max-bad-steps", type=positive_int, default=5, help="stop after K non-finite updates in a row")
     a("--wandb", action="store_true", help="log to Weights & Biases")
     a("--tensorboard", action="store_true", help="log to OUT/tb")
     args = p.parse_args(argv)
@@ -125,12 +126,6 @@ def parse_args(argv=None):
 def check_args(args):
     """Flags that cannot work fail here, in one line, before any model loads."""
     rollout.check_sampling_args(args)
-    for flag in ("steps", "epochs", "batch_size", "mini_batch_size", "micro_batch_size", "micro_batch_tokens", "ppo_epochs",
-                 "val_limit",
-                 "max_bad_steps"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            die(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.temperature <= 0:
         die(f"--temperature must be > 0 for training (the PPO ratio needs sampled log-probs), got {args.temperature}")
     if args.adv in ("grpo", "rloo") and args.samples_per_prompt < 2:
@@ -214,7 +209,7 @@ def main(argv=None):
         run.kl_ctl.update(metrics["kl/mean"], args.batch_size * args.samples_per_prompt)
 
         # ---- 8. validate
-        if args.test_freq and run.val_records and (step % args.test_freq == 0 or step == run.total_steps):
+        if args.val_freq and run.val_records and (step % args.val_freq == 0 or step == run.total_steps):
             m = validate(run, args)
             val_history.append((step, m))
             metrics.update(m)
@@ -254,17 +249,8 @@ def sample_batch(run, args, step, desc=None):
     order = np.random.default_rng(args.seed + epoch).permutation(len(run.train_records))
     global_idx = order[pos * args.batch_size:(pos + 1) * args.batch_size]
     idx = [int(global_idx[i]) for i in rollout.shard_indices(len(global_idx), run.rank, run.world)]
-    return rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx,
-                          n=args.samples_per_prompt, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed * 1_000_003 + step, timeout=args.rollout_timeout, desc=desc,
-                          **turn_settings(run, args))
-
-
-def turn_settings(run, args):
-    """rollout.sample's turn and intervention arguments, the same for training and validation."""
-    return dict(turn_tokens=args.turn_tokens, max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
-                stop=args.stop, turn_rule=args.turn_rule, cut_at_answer=args.cut_at_answer,
-                intervention_ids=run.intervention_ids, eos_ids=run.eos_ids)
+    return rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx, desc=desc,
+                          **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, seed=args.seed * 1_000_003 + step))
 
 
 def score(trajs, records, args):
@@ -435,9 +421,9 @@ def validate(run, args):
     """Greedy multi-turn on this rank's shard of the validation set; metrics over every rank's samples."""
     t0 = time.time()
     idx = rollout.shard_indices(len(run.val_prompts), run.rank, run.world)
-    ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx, n=1, temperature=0.0,
-                        seed=args.seed, timeout=args.rollout_timeout, desc="validate" if run.master else None,
-                        **turn_settings(run, args))
+    ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx,
+                        desc="validate" if run.master else None,
+                        **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, n=1, temperature=0.0))
     run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
     t = all_reduce_dict({"acc": sum(r["acc"] for r in results), "tokens": sum(len(x["response_ids"]) for x in ro),
@@ -521,8 +507,7 @@ def setup(args):
     load_models(args, run)
     # ---- the rollout engine, colocated on this rank
     run.intervention_ids = rollout.intervention_ids(run.tokenizer, args.intervention_text)
-    if args.max_response_tokens is None:  # every turn at full budget plus every intervention
-        args.max_response_tokens = (args.max_turns + 1) * args.turn_tokens + args.max_turns * len(run.intervention_ids)
+    args.max_response_tokens = rollout.sample_kwargs(args, run.intervention_ids)["max_response_tokens"]
     longest_prompt = max(len(p) for p in run.train_prompts + run.val_prompts)
     run.engine = rollout.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
@@ -598,6 +583,8 @@ def lr_lambda(total_steps, warmup_ratio):
 def resume(args, run):
     """Continue from OUT/latest when it exists -> the step it holds (0 when there is none)."""
     if not (run.out / "latest").exists():
+        if run.master:  # say so: a mistyped --out would otherwise retrain silently
+            print(f"[resume] no checkpoint in {run.out}: starting at step 0", flush=True)
         return 0
     ckpt = (run.out / "latest").resolve()
     state = load_checkpoint(ckpt, models_and_optimisers(run))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from data import ArgumentParser, die, write_atomic  # noqa: E402
+from cli import ArgumentParser, die, write_atomic  # noqa: E402
 
 LENGTH_COST = 0.5  # length_penalty: what a response at the full cap costs, in correct answers
 
@@ -52,12 +52,6 @@ RUNS = {
                        f"correct answer (score = acc - C x tokens, C = {LENGTH_COST}/cap)",
                        lambda T, cap: single_turn(cap) + ["--length-coef", f"{LENGTH_COST / cap:.6g}"]),
 }
-OPTIONAL = {"length_penalty": "--length-coef"}  # skipped with a note when train.py lacks the flag
-
-
-def trajectory_cap(max_turns, turn_tokens, intervention_tokens, max_response_tokens=None):
-    """Longest MuTIS response: every turn at full budget plus every intervention (or the explicit cap)."""
-    return max_response_tokens or (max_turns + 1) * turn_tokens + max_turns * intervention_tokens
 
 
 def binomial_se(p, n):
@@ -255,7 +249,7 @@ def summarize(out, ta, base, cap, T, opts, notes):
                f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
     n = int(rows[0][1]["n"])
     steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
-    every = f"every {ta.test_freq} steps" if ta.test_freq else "before and after"
+    every = f"every {ta.val_freq} steps" if ta.val_freq else "before and after"
     text = "\n".join([
         "# make compare: MuTIS against its baselines", "",
         f"Command: `{' '.join(sys.argv)}`  ", f"Finished {time.strftime('%Y-%m-%d %H:%M')} on {machine()}.", "",
@@ -329,18 +323,14 @@ def main(argv=None):
         die("train.py arguments need --val-data (every run validates on it) and --max-turns >= 1 (the MuTIS run)")
     import rollout
     from model import load_tokenizer, resolve_model
-    opts.intervention_tokens = len(rollout.intervention_ids(load_tokenizer(resolve_model(ta.model)),
-                                                            ta.intervention_text))
-    T = ta.turn_tokens
-    cap = trajectory_cap(ta.max_turns, T, opts.intervention_tokens, ta.max_response_tokens)
+    ids = rollout.intervention_ids(load_tokenizer(resolve_model(ta.model)), ta.intervention_text)
+    opts.intervention_tokens, T = len(ids), ta.turn_tokens
+    cap = rollout.sample_kwargs(ta, ids)["max_response_tokens"]  # the longest MuTIS response
     out, notes, plan = Path(opts.out), [], []
     for name in opts.runs:
         extra = RUNS[name][1](T, cap)
         _, err = parse_train(base + extra)
-        if err and name in OPTIONAL and OPTIONAL[name] in err:
-            notes.append(f"{name} skipped: train.py has no {OPTIONAL[name]} ({err})")
-            print(f"note: {notes[-1]}", flush=True)
-        elif err:
+        if err:
             die(f"run {name}: train.py arguments: {err}")
         else:
             plan += [(name, int(s), base + extra) for s in opts.seeds]

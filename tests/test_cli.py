@@ -60,3 +60,22 @@ def test_one_check_for_every_cli(flags, needle, capsys):
             parse(own + flags)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("parse,argv,dest,value", [
+    (train.parse_args, ["--data", "arith_train", "--test-freq", "3"], "val_freq", 3),
+    (ev.parse_args, ["smollm2", "--batch-size", "5"], "engine_batch", 5)])
+def test_renamed_flags_still_work_for_one_release(parse, argv, dest, value, capsys):
+    assert getattr(parse(argv), dest) == value
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deprecated" in err[0] and argv[-2] in err[0], err
+
+
+@pytest.mark.parametrize("cli,flags", [("train", ["--steps", "0"]), ("train", ["--micro-batch-tokens", "x"]),
+                                       ("rollout", ["--limit", "-1"]), ("eval", ["--engine-batch", "0"])])
+def test_counts_are_positive_ints(cli, flags, capsys):
+    parse, own = CLIS[cli]
+    with pytest.raises(SystemExit) as e:
+        parse(own + flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and flags[0] in err[0], err

@@ -16,13 +16,17 @@ _spec.loader.exec_module(compare)
 
 BASE = ("--model smollm2 --data arith_train --val-data arith_test --system-prompt answer-line --steps 12 "
         "--batch-size 4 --samples-per-prompt 6 --max-turns 2 --turn-tokens 64 --adv grpo --temperature 0.8 "
-        "--enforce-eager --out runs/demo --test-freq 4 --val-limit 50").split()
+        "--enforce-eager --out runs/demo --val-freq 4 --val-limit 50").split()
 
 
-def test_trajectory_cap_counts_every_turn_and_intervention():
-    assert compare.trajectory_cap(2, 64, 36) == 3 * 64 + 2 * 36
-    assert compare.trajectory_cap(0, 100, 36) == 100
-    assert compare.trajectory_cap(2, 64, 36, max_response_tokens=200) == 200
+def test_response_cap_counts_every_turn_and_intervention():
+    import rollout
+    import train
+
+    cap = lambda argv: rollout.sample_kwargs(train.parse_args(argv), [7] * 36)["max_response_tokens"]  # noqa: E731
+    assert cap(BASE) == 3 * 64 + 2 * 36
+    assert cap(BASE + ["--max-turns", "0", "--turn-tokens", "100"]) == 100
+    assert cap(BASE + ["--max-response-tokens", "200"]) == 200
 
 
 def test_runs_parse_with_train_py_and_set_their_budget():

@@ -236,7 +236,7 @@ def test_train_loop_keeps_the_engine_asleep_except_in_generate(tiny_model_dir, t
     train.main(["--model", tiny_model_dir, "--data", "arith_train", "--val-data", "arith_test", "--val-limit", "2",
                 "--out", str(tmp_path / "out"), "--steps", "1", "--batch-size", "2", "--samples-per-prompt", "2",
                 "--adv", "grpo", "--max-turns", "0", "--turn-tokens", "8", "--dtype", "float32",
-                "--val-before-train", "--test-freq", "1"])
+                "--val-before-train", "--val-freq", "1"])
     got = [c[0] if c[0] != "wake_up" else f"wake_up {c[1]}" for c in calls(log)
            if c[0] not in ("reset_prefix_cache", "apply_model")]
     assert got == ["generate",  # validation before training: the engine starts awake

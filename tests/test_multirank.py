@@ -65,7 +65,7 @@ def uneven_args(model_dir, out):
             "--out", out, "--steps", "2", "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "2",
             "--turn-tokens", "12", "--micro-batch-size", "4", "--mini-batch-size", "8", "--actor-lr", "1e-5",
             "--critic-lr", "1e-5", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
-            "--gpu-memory-utilization", "0.2", "--val-before-train", "--test-freq", "1"]
+            "--gpu-memory-utilization", "0.2", "--val-before-train", "--val-freq", "1"]
 
 
 @pytest.mark.timeout(1300)  # two runs of up to 600 s each

@@ -174,7 +174,7 @@ def test_critic_free_training_and_validation(adv, tiny_model_dir, tmp_path):
     out = tmp_path / adv
     proc = run_script("train.py", *train_args(tiny_model_dir, out, 1, "--adv", adv, "--engine", "hf",
                                               "--mini-batch-size", "8", "--val-data", "arith_test", "--val-limit", "3",
-                                              "--val-before-train", "--test-freq", "1"),
+                                              "--val-before-train", "--val-freq", "1"),
                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)

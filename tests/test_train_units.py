@@ -254,3 +254,8 @@ def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
     del mb["old_logprobs"]
     _, stats = actor_grads(model, mb, rollout_is_cap=2.0)
     assert float(stats["rollout/is_weight_mean"]) == pytest.approx(math.exp(0.5), rel=1e-4)
+
+
+def test_resume_without_checkpoint_says_so(tmp_path, capsys):
+    assert train.resume(None, SimpleNamespace(out=tmp_path, master=True)) == 0
+    assert capsys.readouterr().out == f"[resume] no checkpoint in {tmp_path}: starting at step 0\n"
