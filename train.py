@@ -42,9 +42,10 @@ import ppo
 import reward
 import rollout
 from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
-from model import (check_attn_implementation, choose_dtype, end_of_turn_ids, keep_freed_memory,
-                   load_causal_lm, load_critic, load_tokenizer, peak_rss_gb, quiet_logs, resolve_model, token_logprobs)
+from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, load_critic, load_tokenizer, resolve_model,
+                   token_logprobs)
 from packing import forward_pass, micro_batches, pack, padding_counts
+from system import choose_dtype, keep_freed_memory, peak_rss_gb, quiet_logs
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
                       load_checkpoint, save_checkpoint, shard)
 

@@ -90,8 +90,8 @@ def run_variant(name, args):
     """One variant in this process -> dict of measurements."""
     which, attn, rows, tokens, bare_too = VARIANTS[name]
     code = load_code(args.before if which == "before" else None)
-    M, parallel, train = code.model, code.parallel, code.train
-    M.quiet_logs()
+    parallel, train = code.parallel, code.train
+    code.system.quiet_logs()
     _, _, _, device = parallel.init_distributed()
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -26,8 +26,8 @@ import data  # noqa: E402
 import packing  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
-from model import (default_device, end_of_turn_ids, load_causal_lm, load_tokenizer, quiet_logs,  # noqa: E402
-                   resolve_model, token_logprobs)
+from model import end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model, token_logprobs  # noqa: E402
+from system import default_device, quiet_logs  # noqa: E402
 from parallel import full_state_dict  # noqa: E402
 
 FAILS = []

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import system as S  # noqa: E402
 
 
 def naive_logprobs(m, ids, mask, start, temperature, with_entropy):
@@ -73,7 +74,7 @@ def worker(args):
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)  # steadier than wall time on a shared machine
         if rep == 0:
-            peak_kib = (proc_kib("VmHWM") if reset else M.peak_rss_gb() * 2**20) - before
+            peak_kib = (proc_kib("VmHWM") if reset else S.peak_rss_gb() * 2**20) - before
     print(json.dumps({"peak_mib": peak_kib / 1024, "seconds": min(times), "cpu_seconds": min(cpu_times), "hwm_reset": reset}))
 
 

@@ -25,7 +25,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import rollout  # noqa: E402
-from model import choose_dtype, keep_freed_memory, load_causal_lm, resolve_model  # noqa: E402
+from model import load_causal_lm, resolve_model  # noqa: E402
+from system import choose_dtype, keep_freed_memory  # noqa: E402
 
 
 def log(res):
@@ -56,13 +57,13 @@ def main():
     p.add_argument("--turn-tokens", type=int, default=48, help="per-turn budget")
     p.add_argument("--max-turns", type=int, default=2, help="interventions")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--engine-dtype", default="auto", help="engine dtype (both backends): auto (model.choose_dtype) | bfloat16 | float32")
+    p.add_argument("--engine-dtype", default="auto", help="engine dtype (both backends): auto (system.choose_dtype) | bfloat16 | float32")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 beats 2 on a busy 2-core box)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timing repeats (median reported)")
     p.add_argument("--hf-limit", type=int, default=4, help="prompts for vLLM vs transformers (0 = skip; hf is slow)")
     p.add_argument("--glibc-default", action="store_true",
-                   help="leave glibc's malloc as it is (no model.keep_freed_memory), for a before/after")
+                   help="leave glibc's malloc as it is (no system.keep_freed_memory), for a before/after")
     args = p.parse_args()
 
     kept = not args.glibc_default and keep_freed_memory()

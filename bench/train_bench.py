@@ -12,9 +12,9 @@
 The batch is rollout-like (the demo's shape): 24 SmolLM2 trajectories of 80-120 prompt and 64-192 response
 tokens, a third of them with an intervention (12 context tokens, action mask 0) after their first 64-token turn.
 
-    python bench/train_bench.py                     # dtype auto (model.choose_dtype)
+    python bench/train_bench.py                     # dtype auto (system.choose_dtype)
     python bench/train_bench.py --dtype float32 --micro-batch-size 4
-    python bench/train_bench.py --glibc-default      # without model.keep_freed_memory (before/after)
+    python bench/train_bench.py --glibc-default      # without system.keep_freed_memory (before/after)
     python bench/train_bench.py --code .before       # the padded trainer of an earlier commit
 """
 import argparse
@@ -37,14 +37,14 @@ def say(msg):
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_name(M):
+def cpu_name(S):
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
             if line.startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    text = M._cpuinfo_text() or ""
+    text = S._cpuinfo_text() or ""
     return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
 
 
@@ -60,15 +60,15 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--code", default=None, help="import the trainer from this directory (an earlier commit's files)")
     p.add_argument("--glibc-default", action="store_true",
-                   help="leave glibc's malloc as it is (no model.keep_freed_memory), for a before/after")
+                   help="leave glibc's malloc as it is (no system.keep_freed_memory), for a before/after")
     args = p.parse_args()
     code = load_code(args.code)
-    M, parallel, train = code.model, code.parallel, code.train
-    M.quiet_logs()
+    M, S, parallel, train = code.model, code.system, code.parallel, code.train
+    S.quiet_logs()
     t_start = time.time()
     rank, world, _, device = parallel.init_distributed()
-    kept = not args.glibc_default and M.keep_freed_memory(device)
-    dtype, why = M.choose_dtype(args.dtype, device)
+    kept = not args.glibc_default and S.keep_freed_memory(device)
+    dtype, why = S.choose_dtype(args.dtype, device)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bfloat16" else nullcontext
     path = M.resolve_model(args.model)
     flags = ["--data", "arith_train", "--adv", "grpo", "--samples-per-prompt", "6", "--dtype", dtype,
@@ -79,10 +79,10 @@ def main():
         flags += ["--attn-implementation", attn] + (["--micro-batch-tokens", str(args.micro_batch_tokens)]
                                                     if args.micro_batch_tokens else [])
     targs = train.parse_args(flags)
-    text = M._cpuinfo_text() or ""
+    text = S._cpuinfo_text() or ""
     words = set(text.split())
-    cpu_flags = [f for f in ("avx512f", *M.CPU_BF16_FLAGS) if f in words]
-    print(f"cpu: {cpu_name(M)} | flags: {' '.join(cpu_flags) or '-'} | threads {torch.get_num_threads()} | "
+    cpu_flags = [f for f in ("avx512f", *S.CPU_BF16_FLAGS) if f in words]
+    print(f"cpu: {cpu_name(S)} | flags: {' '.join(cpu_flags) or '-'} | threads {torch.get_num_threads()} | "
           f"dtype {dtype} ({why}) | freed memory {'kept' if kept else 'returned to the OS (glibc default)'} | "
           f"code {args.code or 'this checkout'} ({'packed' if code.packing else 'padded'}, attention {attn})",
           flush=True)
@@ -143,7 +143,7 @@ def main():
     pad_lp = phases.padding(batch, phases.micro(batch, torch.arange(B)))
     pad_up = phases.padding(batch, [g for mini in minis for g in phases.micro(batch, mini)])
 
-    res = dict(dtype=dtype, cpu=cpu_name(M), bf16_flags=[f for f in cpu_flags if f in M.CPU_BF16_FLAGS],
+    res = dict(dtype=dtype, cpu=cpu_name(S), bf16_flags=[f for f in cpu_flags if f in S.CPU_BF16_FLAGS],
                code=args.code or "this checkout", attention=attn, freed_memory_kept=kept, tokens=real_tokens,
                update_ratio=round(t_up_plain / t_up, 3), update_s=round(t_up, 2), update_plain_s=round(t_up_plain, 2),
                update_optimizer_s=round(t_opt, 2),
@@ -151,7 +151,7 @@ def main():
                logprobs_ratio=round(t_lp_plain / t_lp, 3), logprobs_s=round(t_lp, 2),
                logprobs_plain_s=round(t_lp_plain, 2),
                padding_waste_logprobs=round(pad_lp, 3), padding_waste_update=round(pad_up, 3),
-               peak_rss_gb=round(M.peak_rss_gb(), 1), kernel_s=round(os.times().system, 1),
+               peak_rss_gb=round(S.peak_rss_gb(), 1), kernel_s=round(os.times().system, 1),
                load_average=[round(x, 2) for x in os.getloadavg()], seconds=round(time.time() - t_start, 1))
     print(f"update    {real_tokens / t_up:7.0f} tok/s vs plain {real_tokens / t_up_plain:7.0f} tok/s: "
           f"ratio {res['update_ratio']:.2f} (target >= 0.95; {t_opt:.1f}s of {t_up:.1f}s is clip + AdamW, "

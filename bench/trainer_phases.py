@@ -15,11 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_code(code_dir=None):
-    """model, parallel, train (and packing, where it exists) imported from code_dir (default: this checkout)."""
+    """model, parallel, train (and packing, where it exists; system, or model where the system helpers lived there)
+    imported from code_dir (default: this checkout)."""
     os.environ.setdefault("MUTIS_MODELS_DIR", str(ROOT / "models"))  # one prepared SmolLM2 for every version
     sys.path.insert(0, str(Path(code_dir or ROOT).resolve()))
     mods = {name: importlib.import_module(name) for name in ("model", "parallel", "train")}
     mods["packing"] = importlib.import_module("packing") if (Path(code_dir or ROOT) / "packing.py").exists() else None
+    mods["system"] = importlib.import_module("system") if (Path(code_dir or ROOT) / "system.py").exists() else mods["model"]
     return SimpleNamespace(**mods)
 
 

@@ -1,10 +1,10 @@
-"""--dtype/--engine-dtype auto (model.choose_dtype) and the quiet console (model.quiet_logs)."""
+"""--dtype/--engine-dtype auto (system.choose_dtype) and the quiet console (system.quiet_logs)."""
 import json
 
 import pytest
 
-import model as M
-from conftest import run_script
+import system as S
+from conftest import ROOT, run_script
 X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {extra}\n\n"
 
 
@@ -14,29 +14,29 @@ X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx51
     ("avx512_vnni", "float32"),  # AVX-512 without bf16: torch says "supported", but it is emulated
 ])
 def test_auto_on_cpu_reads_the_flags(monkeypatch, extra, want):
-    monkeypatch.setattr(M, "_cpuinfo_text", lambda: X86.format(extra=extra))
-    dtype, reason = M.choose_dtype("auto", "cpu")
+    monkeypatch.setattr(S, "_cpuinfo_text", lambda: X86.format(extra=extra))
+    dtype, reason = S.choose_dtype("auto", "cpu")
     assert dtype == want
     assert reason == ("CPU without avx512_bf16/amx_bf16: bf16 would be emulated" if want == "float32"
                       else f"CPU with {'avx512_bf16' if 'avx512_bf16' in extra else 'amx_bf16'}")
 
 
 def test_explicit_and_hf_engine(monkeypatch):
-    monkeypatch.setattr(M, "_cpuinfo_text", lambda: X86.format(extra="avx512_bf16"))
-    assert M.choose_dtype("float32", "cpu") == ("float32", "requested")
-    assert M.choose_dtype("bfloat16", "cpu") == ("bfloat16", "requested")
-    assert M.choose_dtype("auto", "cpu", engine="hf")[0] == "float32"      # the debugging engine stays exact
-    assert M.choose_dtype("auto", "cpu", engine="vllm")[0] == "bfloat16"
+    monkeypatch.setattr(S, "_cpuinfo_text", lambda: X86.format(extra="avx512_bf16"))
+    assert S.choose_dtype("float32", "cpu") == ("float32", "requested")
+    assert S.choose_dtype("bfloat16", "cpu") == ("bfloat16", "requested")
+    assert S.choose_dtype("auto", "cpu", engine="hf")[0] == "float32"      # the debugging engine stays exact
+    assert S.choose_dtype("auto", "cpu", engine="vllm")[0] == "bfloat16"
 
 
 def test_aarch64_and_timing_fallback(monkeypatch):
-    monkeypatch.setattr(M, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
-    assert M.choose_dtype("auto", "cpu")[0] == "bfloat16"
-    monkeypatch.setattr(M, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd\n")
-    assert M.choose_dtype("auto", "cpu")[0] == "float32"
-    monkeypatch.setattr(M, "_cpuinfo_text", lambda: None)  # no /proc/cpuinfo: time a matmul once
-    monkeypatch.setattr(M, "_timed_bf16", [])
-    dtype, reason = M.choose_dtype("auto", "cpu")
+    monkeypatch.setattr(S, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    assert S.choose_dtype("auto", "cpu")[0] == "bfloat16"
+    monkeypatch.setattr(S, "_cpuinfo_text", lambda: "processor\t: 0\nFeatures\t: fp asimd\n")
+    assert S.choose_dtype("auto", "cpu")[0] == "float32"
+    monkeypatch.setattr(S, "_cpuinfo_text", lambda: None)  # no /proc/cpuinfo: time a matmul once
+    monkeypatch.setattr(S, "_timed_bf16", [])
+    dtype, reason = S.choose_dtype("auto", "cpu")
     assert dtype in ("bfloat16", "float32") and "matmul" in reason
 
 
@@ -46,7 +46,7 @@ def test_train_startup_line_states_the_dtype():
     the batch is larger than the data set)."""
     proc = run_script("train.py", "--data", "arith_test", "--batch-size", "100000", "--engine-dtype", "float32")
     assert proc.returncode == 2 and "fewer than --batch-size" in proc.stderr, proc.stderr[-2000:]
-    want, why = M.choose_dtype("auto")
+    want, why = S.choose_dtype("auto")
     assert f"[setup] dtype {want} ({why}); vllm engine dtype float32 (requested)" in proc.stdout.splitlines()
 
 
@@ -67,7 +67,7 @@ def test_rollout_cli_is_quiet(tiny_model_dir, tmp_path):
 KEEP_FREED_PROBE = r"""
 import ctypes, json, resource
 import torch
-import model as M
+import system as S
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -94,9 +94,9 @@ def alloc_free(use_torch):  # -> (bytes mmapped while it lives, heap bytes after
     del x
     return dict(mmapped=mmapped, heap_after=libc.mallinfo2().arena, faults=faults)
 
-out = dict(default=[alloc_free(t) for t in (True, False, False)], cuda=M.keep_freed_memory("cuda"))
+out = dict(default=[alloc_free(t) for t in (True, False, False)], cuda=S.keep_freed_memory("cuda"))
 out["after_cuda"] = [alloc_free(t) for t in (True, False, False)]
-out["applied"] = M.keep_freed_memory("cpu")
+out["applied"] = S.keep_freed_memory("cpu")
 out["kept"] = [alloc_free(t) for t in (True, False, False)]
 print(json.dumps(out))
 """
@@ -112,7 +112,7 @@ def test_keep_freed_memory_keeps_large_blocks_in_the_heap(tmp_path):
     if not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"):
         pytest.skip("not glibc >= 2.33")
     proc = subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE], capture_output=True, text=True,
-                          cwd=M.ROOT, timeout=300)
+                          cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.splitlines()[-1])
     size, pages = 64 << 20, (64 << 20) // 4096
