@@ -9,33 +9,23 @@ Answers go through three layers, cheapest first:
    degrees, percent, `x =` prefixes, \\dfrac, ...) and compared as strings, as exact numbers
    (Fractions: integers, decimals, scientific notation, repeating decimals, mixed numbers) or with
    relative tolerance 1e-4, and tuples, intervals and answer sets element by element.
-3. math-verify (`parse` + `verify`) for whatever the fast path cannot decide. It runs in a
-   persistent worker process (a "guard") that is killed and replaced when a comparison exceeds
-   its time limit; guards are forked from a "zygote" that imported math-verify once, so a
-   replacement costs milliseconds. math-verify's own timeouts use SIGALRM, which only works on
-   the main thread, so they are disabled (parsing_timeout=None, timeout_seconds=None) and the
-   kill is the limit: it works from any thread and inside torchrun workers.
+3. math-verify (`parse` + `verify`) for whatever the fast path cannot decide, in a worker process
+   that is killed and replaced when a comparison exceeds its time limit (grading.py), with
+   math-verify's own timeouts disabled (parsing_timeout=None, timeout_seconds=None).
 
-Public API: find_answer, extract_answer, is_equivalent, compute_score, register, get_reward_fn, score_batch.
+Public API: find_answer, extract_answer, is_equivalent, register, score_batch.
 """
-import atexit
 import functools
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections import namedtuple
 from fractions import Fraction
-from multiprocessing.connection import Connection, wait
+
+import grading
 
 DEFAULT_TIMEOUT = 1.0  # seconds per comparison
 REL_TOL = 1e-4  # relative tolerance once a decimal is involved (Minerva golds are rounded)
 MAX_ANSWER_CHARS = 1000  # longer "answers" are rambling or adversarial; the longest gold is ~210
-STARTUP_S = 120.0  # the zygote imports sympy once: slow on a busy machine, not comparison time
 POOL_MIN = 16  # fewer undecided items than this are not worth spreading over processes
 
 INTERVENTIONS = (
@@ -443,7 +433,7 @@ def _decide_fast(pred, golds):
 
 
 # ---------------------------------------------------------------------------------------------
-# Guards: math-verify in subprocesses that can be killed. The first functions run inside them.
+# The slow path: math-verify, run inside grading.py's killable worker processes
 
 @functools.lru_cache(maxsize=4096)
 def _mv_parse(s):
@@ -473,168 +463,9 @@ def _slow_equal(pred, golds):
     return any(_compare(_clean(pred), _clean(g), _leaf_slow) for g in golds if _sane(g))
 
 
-def _zygote_main(fd):
-    """Zygote: import and warm math-verify once, then fork a ready guard for each request (fork
-    costs milliseconds, an import seconds). Guards share our process group, so when the parent
-    goes away (EOF on the socket, even after a SIGKILL) one killpg also ends guards stuck in C."""
-    import logging
-    import resource
-    logging.disable(logging.WARNING)  # "timeout disabled" warnings are expected: we are the timeout
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # killed guards are reaped by the kernel
-    try:  # a runaway big-int computation fails with MemoryError instead of swapping
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    except (ValueError, OSError):
-        pass
-    sock = socket.socket(fileno=fd)
-    _slow_equal("x^2", [r"\frac{x}{1/x}"])  # pay imports and parser set-up before forking
-    sock.sendall(b"r")
-    while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
-        if not msg:
-            os.killpg(0, signal.SIGKILL)
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            try:
-                _guard_main(*fds)
-            finally:
-                os._exit(0)
-        for f in fds:
-            os.close(f)
-        sock.sendall(pid.to_bytes(4, "little"))
-
-
-def _guard_main(rfd, wfd):
-    """Guard: receive (pred, golds), answer a bool, until the parent closes the pipe."""
-    inp, out = Connection(rfd, writable=False), Connection(wfd, readable=False)
-    while True:
-        try:
-            pred, golds = inp.recv()
-        except EOFError:
-            return
-        try:
-            ok = _slow_equal(pred, golds)
-        except Exception:
-            ok = False
-        out.send(bool(ok))
-
-
-_ZYGOTE = {}  # proc, sock
-_GUARDS = []  # forked guards: [0] serves is_equivalent, all of them serve score_batch
-_LOCK = threading.Lock()
-
-
-def _zygote():
-    if _ZYGOTE and _ZYGOTE["proc"].poll() is None:
-        return _ZYGOTE["sock"]
-    ours, theirs = socket.socketpair()  # not inherited by other children: EOF when we die
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import reward; reward._zygote_main({theirs.fileno()})"
-    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # own process group, out of reach of the terminal's ^C
-    theirs.close()
-    ours.settimeout(STARTUP_S)
-    try:
-        ready = ours.recv(1)
-    except OSError:  # timed out
-        ready = b""
-    if ready != b"r":
-        proc.kill()
-        raise RuntimeError("reward.py: the math-verify worker failed to start (is math-verify installed? "
-                           "see its traceback above)")
-    _ZYGOTE.update(proc=proc, sock=ours)
-    return ours
-
-
-def _start(retry=True):
-    sock = _zygote()
-    r1, w1 = os.pipe()  # parent -> guard (os.pipe fds are not inherited by other children)
-    r2, w2 = os.pipe()  # guard -> parent
-    try:
-        socket.send_fds(sock, [b"f"], [r1, w2])
-        reply = sock.recv(4, socket.MSG_WAITALL)
-    except OSError:
-        reply = b""
-    finally:
-        os.close(r1)
-        os.close(w2)
-    if len(reply) < 4:  # the zygote died: start a new one, once (and never os.kill pid 0)
-        for fd in (w1, r2):
-            os.close(fd)
-        _ZYGOTE["proc"].kill()
-        if retry:
-            return _start(retry=False)
-        raise RuntimeError("reward.py: the math-verify worker keeps dying")
-    pid = int.from_bytes(reply, "little")
-    return {"pid": pid, "send": Connection(w1, readable=False), "recv": Connection(r2, writable=False)}
-
-
-def _restart(i, kill=True):
-    if kill:  # not when it is known dead: its pid may already belong to someone else
-        try:
-            os.kill(_GUARDS[i]["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _GUARDS[i]["send"].close()
-    _GUARDS[i]["recv"].close()
-    _GUARDS[i] = _start()
-
-
-def _run(tasks, workers, timeout):
-    """Verdicts for tasks [(pred, golds)] on `workers` guards, in order. A task gets `timeout`
-    seconds per gold; then its guard is killed (and replaced) and the verdict is False."""
-    out = [False] * len(tasks)
-    if not tasks:  # the fast path decided everything: no worker needed
-        return out
-    with _LOCK:
-        while len(_GUARDS) < workers:
-            _GUARDS.append(_start())
-        todo, busy = list(range(len(tasks)))[::-1], {}  # busy: guard index -> (task, deadline)
-        while todo or busy:
-            for i in range(workers):
-                if todo and i not in busy:
-                    t = todo.pop()
-                    try:
-                        _GUARDS[i]["send"].send(tasks[t])
-                        busy[i] = (t, time.monotonic() + timeout * len(tasks[t][1]))
-                    except OSError:  # it died while idle
-                        todo.append(t)
-                        _restart(i, kill=False)
-            left = min([d for _, d in busy.values()], default=0.0) - time.monotonic()
-            ready = wait([_GUARDS[i]["recv"] for i in busy], max(left, 0.0))
-            for i in list(busy):
-                if _GUARDS[i]["recv"] in ready:
-                    try:
-                        msg = _GUARDS[i]["recv"].recv()
-                    except (EOFError, OSError):
-                        msg = None
-                    out[busy.pop(i)[0]] = bool(msg)
-                    if msg is None:  # it crashed
-                        _restart(i, kill=False)
-                elif time.monotonic() > busy[i][1]:
-                    busy.pop(i)  # over its limit: the verdict stays False
-                    _restart(i)
-    return out
-
-
-def _shutdown():
-    if _ZYGOTE:
-        _ZYGOTE["sock"].close()  # EOF: the zygote kills its guards and itself
-
-
-def _after_fork():
-    global _LOCK
-    _LOCK = threading.Lock()
-    for g in _GUARDS:  # the parent's workers are not ours: drop our copies of their fds
-        g["send"].close()
-        g["recv"].close()
-    _shutdown()
-    _GUARDS.clear()
-    _ZYGOTE.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-atexit.register(_shutdown)
+def _grade(tasks, workers, timeout):
+    """math-verify's verdicts for tasks [(pred, golds)], in order, in killable worker processes (grading.py)."""
+    return grading.run(tasks, workers, timeout, judge="reward:_slow_equal", warmup=("x^2", [r"\frac{x}{1/x}"]))
 
 
 def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
@@ -646,7 +477,7 @@ def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
     golds = _golds(gold)
     verdict = _decide_fast(pred, golds)
     if verdict is None:
-        verdict = _run([(pred, [g for g in golds if _sane(g)])], 1, timeout)[0]
+        verdict = _grade([(pred, [g for g in golds if _sane(g)])], 1, timeout)[0]
     return verdict
 
 
@@ -691,36 +522,13 @@ def _math_result(pred, acc):
     return {"score": float(acc), "acc": float(acc), "has_answer": float(pred is not None), "pred": pred}
 
 
-def math_reward(data_source, response, ground_truth, *, last_number=False, first=False, timeout=DEFAULT_TIMEOUT):
-    """The paper's reward: 1.0 if the extracted answer equals a gold answer, else 0.0.
-    first: score the first answer (responses cut at their first answer, see find_answer), else the last."""
-    pred = extract_answer(response, last_number, first=first)
-    return _math_result(pred, pred is not None and is_equivalent(pred, ground_truth, timeout))
-
-
-def get_reward_fn(data_source):
-    """A per-item function (data_source, response, ground_truth, **kw) -> dict for this source.
-    Unregistered sources get the math reward; LAST_NUMBER_SOURCES also fall back to the last number.
-    Only the built-in math rewards use the keywords (first, timeout)."""
-    name = _lookup(data_source)
-    fn, batched = _REGISTRY[name]
-    if fn is None:
-        return functools.partial(math_reward, last_number=name in LAST_NUMBER_SOURCES)
-    if batched:
-        return lambda ds, resp, gt, **kw: _as_result(fn([resp], [gt], ds)[0])
-    return lambda ds, resp, gt, **kw: _as_result(fn(ds, resp, gt))
-
-
-def compute_score(data_source, response, ground_truth, **kw):
-    """Reward of one response: dict with score, acc, has_answer, pred. ground_truth is a string
-    or a list of accepted strings; keywords as in math_reward."""
-    return get_reward_fn(data_source)(data_source, response, ground_truth, **kw)
-
-
 def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, first=False,
                 last_number=True, timeout=DEFAULT_TIMEOUT, workers=None):
-    """compute_score over a batch, results in input order. data_sources may be one string for the
-    whole batch; first: as in math_reward. last_number: True lets LAST_NUMBER_SOURCES fall back to the
+    """Rewards of a batch of responses, results in input order: dicts with score, acc, has_answer, pred.
+    Each data source's registered reward (register), else the paper's math reward: 1.0 if the extracted
+    answer equals a gold answer (ground truth: a string or a list of accepted strings), else 0.0. data_sources
+    may be one string for the whole batch; first: score the first answer (responses cut at their first answer,
+    see find_answer), else the last. last_number: True lets LAST_NUMBER_SOURCES fall back to the
     last number (scoring prose answers); False counts explicit answers only, the paper's training reward
     (no answer = 0; the reference's verl GSM8K reward is 'strict' too). Registered rewards ignore it.
 
@@ -760,7 +568,7 @@ def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(workers, max(1, len(tasks) // 4)) if len(tasks) >= POOL_MIN else 1
-    for i, verdict in zip(pending, _run(tasks, workers, timeout)):
+    for i, verdict in zip(pending, _grade(tasks, workers, timeout)):
         out[i] = _math_result(out[i]["pred"], verdict)
     for r, length in zip(out, lengths if length_coef else ()):
         r["score"] -= length_coef * length

@@ -237,7 +237,7 @@ def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine)
         for lg, sh, sc, gold in zip(long, short, scored, golds):
             n = len(sh["response_ids"])
             assert lg["response_ids"][:n] == sh["response_ids"] and (n == b or n == len(lg["response_ids"]))
-            want = reward.compute_score(sh["data_source"], sh["_full_text"], gold)["acc"]
+            want = reward.score_batch([sh["data_source"]], [sh["_full_text"]], [gold])[0]["acc"]
             assert sc["budget_correct"][str(b)] == bool(want), (b, sh["_full_text"])
             seen.add(bool(want))
         if b == 20:  # the main numbers at --max-tokens 20, cut from the 48-token run == a 20-token run's

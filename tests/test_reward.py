@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import grading
 import reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +235,7 @@ def _warm():
     """Have a ready worker: the limit counts comparison time, not a (re)start's imports, which
     can take seconds on a loaded machine."""
     assert reward.is_equivalent("x^2", r"x \cdot x", timeout=30)  # generous: other jobs share the CPUs
-    return reward._GUARDS[0]["pid"]  # the worker is_equivalent uses
+    return grading._GUARDS[0]["pid"]  # the worker is_equivalent uses
 
 
 # Wall times are the bench's job (bench/reward_bench.py): these tests bound time with the timeout
@@ -253,7 +254,7 @@ def test_adversarial_answers_fail_and_grader_survives(case, s):
 def test_a_comparison_over_its_limit_kills_its_worker():
     pid = _warm()
     assert reward.is_equivalent("9^{9^{9}}", "2", timeout=0.5) is False
-    assert reward._GUARDS[0]["pid"] != pid  # killed and replaced, not answered
+    assert grading._GUARDS[0]["pid"] != pid  # killed and replaced, not answered
     assert reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=30)
 
 
@@ -263,10 +264,10 @@ def test_time_limit_holds_off_the_main_thread():
 
     def work():
         pid = _warm()
-        out["adv"] = reward.is_equivalent("9^{9^{9}}", "2"), reward._GUARDS[0]["pid"] != pid
+        out["adv"] = reward.is_equivalent("9^{9^{9}}", "2"), grading._GUARDS[0]["pid"] != pid
         pid = _warm()
         out["slow"] = (reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=1e-3),
-                       reward._GUARDS[0]["pid"] != pid)
+                       grading._GUARDS[0]["pid"] != pid)
         out["normal"] = reward.is_equivalent(r"\frac{x^3-1}{x-1}", "x^2+x+1", timeout=30)
     t = threading.Thread(target=work)
     t.start()
@@ -291,15 +292,15 @@ def test_dead_worker_and_dead_zygote_are_replaced():
     os.kill(pid, signal.SIGKILL)
     _wait_gone(pid)
     assert reward.is_equivalent("(x+1)^2", "x^2+2x+1", timeout=30)  # a new guard answers
-    assert reward._GUARDS[0]["pid"] != pid
-    zygote = reward._ZYGOTE["proc"]
+    assert grading._GUARDS[0]["pid"] != pid
+    zygote = grading._ZYGOTE["proc"]
     zygote.kill()
     zygote.wait()
-    pid = reward._GUARDS[0]["pid"]
+    pid = grading._GUARDS[0]["pid"]
     os.kill(pid, signal.SIGKILL)
     _wait_gone(pid)
     assert reward.is_equivalent("(x-1)^2", "x^2-2x+1", timeout=30)  # a new zygote forks a new guard
-    assert reward._ZYGOTE["proc"] is not zygote
+    assert grading._ZYGOTE["proc"] is not zygote
 
 
 @pytest.mark.timeout(120)
@@ -307,10 +308,10 @@ def test_forked_child_grades_with_its_own_workers():
     parent = _warm()
     child = os.fork()
     if child == 0:  # the parent's guards are not ours: a new zygote, the parent's left alone
-        ok = reward.is_equivalent("(x+2)^2", "x^2+4x+4", timeout=30) and reward._GUARDS[0]["pid"] != parent
+        ok = reward.is_equivalent("(x+2)^2", "x^2+4x+4", timeout=30) and grading._GUARDS[0]["pid"] != parent
         os._exit(0 if ok else 1)
     assert os.waitpid(child, 0)[1] == 0
-    assert reward.is_equivalent("(x+3)^2", "x^2+6x+9", timeout=30) and reward._GUARDS[0]["pid"] == parent
+    assert reward.is_equivalent("(x+3)^2", "x^2+6x+9", timeout=30) and grading._GUARDS[0]["pid"] == parent
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,13 +330,18 @@ def test_many_threads_share_the_worker():
     assert got == {k: [want for _, _, want in pairs] for k in range(4)}
 
 
-def test_compute_score_is_binary():
-    r = reward.compute_score("math500", r"so \boxed{\dfrac{1}{2}}", "\\frac12")
+def score(data_source, response, ground_truth):
+    """One response's reward, as score_batch gives it."""
+    return reward.score_batch([data_source], [response], [ground_truth])[0]
+
+
+def test_score_is_binary():
+    r = score("math500", r"so \boxed{\dfrac{1}{2}}", "\\frac12")
     assert r == {"score": 1.0, "acc": 1.0, "has_answer": 1.0, "pred": r"\dfrac{1}{2}"}
-    assert reward.compute_score("math500", r"\boxed{0.6}", "\\frac12")["score"] == 0.0
-    r = reward.compute_score("math500", "no idea", "1")
+    assert score("math500", r"\boxed{0.6}", "\\frac12")["score"] == 0.0
+    r = score("math500", "no idea", "1")
     assert (r["score"], r["has_answer"], r["pred"]) == (0.0, 0.0, None)
-    assert reward.compute_score("math500", "Answer: 3", ["2", "3"])["score"] == 1.0  # any 'Answer:' counts
+    assert score("math500", "Answer: 3", ["2", "3"])["score"] == 1.0  # any 'Answer:' counts
 
 
 def test_score_batch_length_cost_on_every_response():
@@ -362,17 +368,17 @@ def test_registry_and_fallbacks():
     def lengths(predictions, references, data_source):
         return [{"score": float(len(p) == len(r))} for p, r in zip(predictions, references)]
     try:
-        assert reward.compute_score("my_source", " abc ", "abc")["score"] == 1.0
-        assert reward.get_reward_fn("my_source_v2")("my_source_v2", "abd", "abc")["score"] == 0.0
-        assert reward.compute_score("my_batch", "xyz", "abc")["score"] == 1.0
+        assert score("my_source", " abc ", "abc")["score"] == 1.0
+        assert score("my_source_v2", "abd", "abc")["score"] == 0.0
+        assert score("my_batch", "xyz", "abc")["score"] == 1.0
         gsm = "She makes 9 * 2 = 18 dollars every day."
-        assert reward.compute_score("gsm8k_test", gsm, "18")["score"] == 1.0  # last-number fallback
-        assert reward.compute_score("openai/gsm8k", gsm, "18")["score"] == 1.0
-        assert reward.compute_score("math500", gsm, "18")["score"] == 0.0
-        assert reward.compute_score("arith", "So 6 * 3 = 18.", "18")["score"] == 1.0  # synthetic set: same fallback
+        assert score("gsm8k_test", gsm, "18")["score"] == 1.0  # last-number fallback
+        assert score("openai/gsm8k", gsm, "18")["score"] == 1.0
+        assert score("math500", gsm, "18")["score"] == 0.0
+        assert score("arith", "So 6 * 3 = 18.", "18")["score"] == 1.0  # synthetic set: same fallback
         assert [o["score"] for o in reward.score_batch(["arith", "arith"], ["6 * 3 = 18.", "6 * 3 = 19."],
                                                        ["18", "18"])] == [1.0, 0.0]
-        assert reward.compute_score("never_registered", r"\boxed{18}", "18")["score"] == 1.0
+        assert score("never_registered", r"\boxed{18}", "18")["score"] == 1.0
         out = reward.score_batch(["my_source", "my_batch", "my_batch", "math500"],
                                  ["abc", "xy", "xyz", r"\boxed{2}"], ["abc", "abc", "abc", "3"])
         assert [o["score"] for o in out] == [1.0, 0.0, 1.0, 0.0]
@@ -394,7 +400,7 @@ def test_score_batch_pool_keeps_order_and_limits():
     got = reward.score_batch(["math500"] * len(golds), responses, truths, workers=2, timeout=3.0)
     assert [o["score"] for o in got] == [float(i % 2 == 0 and i != 6) for i in range(len(golds))]
     assert [o["pred"] for o in got] == [reward.extract_answer(r) for r in responses]
-    assert len(reward._GUARDS) >= 2  # the pool really ran
+    assert len(grading._GUARDS) >= 2  # the pool really ran
 
 
 # ----------------------------------------------------------------------------- first answer (the turn rule's)
