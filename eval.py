@@ -420,6 +420,7 @@ def main(argv=None):
     gen_tokens = max([args.max_response_tokens] + args.budgets)
     if args.temperature == 0 and args.samples_per_prompt > 1:
         print("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
+    import engines
     import rollout
     from system import choose_dtype
     from transformers import AutoConfig
@@ -443,7 +444,7 @@ def main(argv=None):
         tokenizer, prompts, context = prepared[name]
         tm = timings["checkpoints"][name] = {}
         t = time.time()
-        engine = rollout.make_engine(path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed, max_model_len=context,
+        engine = engines.make_engine(path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed, max_model_len=context,
                                      enforce_eager=args.enforce_eager,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      attn_implementation=args.attn_implementation)

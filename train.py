@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data as data_lib
+import engines
 import ppo
 import reward
 import rollout
@@ -45,9 +46,9 @@ from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, load_critic, load_tokenizer, resolve_model,
                    token_logprobs)
 from packing import forward_pass, micro_batches, pack, padding_counts
-from system import choose_dtype, keep_freed_memory, peak_rss_gb, quiet_logs
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
                       load_checkpoint, save_checkpoint, shard)
+from system import choose_dtype, keep_freed_memory, peak_rss_gb, quiet_logs
 
 
 def parse_args(argv=None):
@@ -510,7 +511,7 @@ def setup(args):
     run.intervention_ids = rollout.intervention_ids(run.tokenizer, args.intervention_text)
     args.max_response_tokens = rollout.sample_kwargs(args, run.intervention_ids)["max_response_tokens"]
     longest_prompt = max(len(p) for p in run.train_prompts + run.val_prompts)
-    run.engine = rollout.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
+    run.engine = engines.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      max_model_len=longest_prompt + args.max_response_tokens,
                                      enforce_eager=args.enforce_eager, distributed=world > 1,

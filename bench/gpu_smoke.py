@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import engines  # noqa: E402
 import packing  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
@@ -73,7 +74,7 @@ def main():
 
     # ---- 1. start and sample
     t0 = time.time()
-    engine = rollout.make_engine(path, kind="vllm", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
+    engine = engines.make_engine(path, kind="vllm", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
                                  max_model_len=1024, enforce_eager=True)
     print(f"[smoke] {device.type}: vLLM engine ({engine.dtype}) up in {time.time() - t0:.1f}s", flush=True)
     ro = rollout.sample(engine, prompts, temperature=1.0, seed=1, **kw)

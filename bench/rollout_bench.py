@@ -24,6 +24,7 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import engines  # noqa: E402
 import rollout  # noqa: E402
 from model import load_causal_lm, resolve_model  # noqa: E402
 from system import choose_dtype, keep_freed_memory  # noqa: E402
@@ -70,7 +71,7 @@ def main():
     path = resolve_model(args.model)
     args.engine_dtype = choose_dtype(args.engine_dtype)[0]  # both backends in the same dtype
     t0 = time.perf_counter()
-    engine = rollout.make_engine(path, dtype=args.engine_dtype, seed=0, enforce_eager=args.enforce_eager)
+    engine = engines.make_engine(path, dtype=args.engine_dtype, seed=0, enforce_eager=args.enforce_eager)
     init_s = time.perf_counter() - t0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,7 +129,7 @@ def main():
 
     if args.hf_limit:  # the same multi-turn sampling on a few prompts, vLLM then transformers
         speed = {}
-        for name, eng in (("vllm", engine), ("hf", rollout.make_engine(path, kind="hf", dtype=args.engine_dtype, seed=0))):
+        for name, eng in (("vllm", engine), ("hf", engines.make_engine(path, kind="hf", dtype=args.engine_dtype, seed=0))):
             ro = rollout.sample(eng, prompts[:args.hf_limit], seed=0, **kw)
             speed[name] = ro.stats["action_tokens"] / ro.stats["seconds"]
         res.update(hf_prompts=args.hf_limit, vllm_small_tok_s=round(speed["vllm"], 1),

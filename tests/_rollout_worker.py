@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engines  # noqa: E402
 import rollout  # noqa: E402
 
 
@@ -18,7 +19,7 @@ def main():
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = rollout.make_engine(model_dir, dtype="float32", seed=0, max_model_len=spec["max_model_len"],
+    engine = engines.make_engine(model_dir, dtype="float32", seed=0, max_model_len=spec["max_model_len"],
                                  distributed=True, enforce_eager=True)
     idx = rollout.shard_indices(len(spec["prompts"]), rank, world)
     ro = rollout.sample(engine, [spec["prompts"][i] for i in idx], prompt_indices=idx, **spec["kwargs"])

@@ -1,7 +1,7 @@
 """train.py with scripted completions, so that ranks make different numbers of engine calls:
 `torchrun --nproc_per_node 2 _uneven_train_worker.py TRAIN_ARGS...` (or plain `python`, one rank).
 
-rollout.make_engine is wrapped: every generate call still goes to the real engine (vLLM), then each
+engines.make_engine is wrapped: every generate call still goes to the real engine (vLLM), then each
 completion is replaced by a script keyed on the rank its prompt has in a 2-rank run:
   rank 0: "\\boxed{<ground truth>}" + EOS, stopped -- the turn holds an answer, the trajectory ends after one call;
   rank 1: `budget` filler tokens, not stopped, no answer -- every turn is cut and intervened on, up to --max-turns.
@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data as data_lib  # noqa: E402
+import engines  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from model import load_tokenizer, resolve_model  # noqa: E402
-from rollout import Completion  # noqa: E402
+from engines import Completion  # noqa: E402
 
 
 class ScriptedEngine:
@@ -44,7 +45,7 @@ class ScriptedEngine:
         self.calls += 1
         tok = self.engine.tokenizer
         eos = tok.eos_token_id if eos_ids is None else list(eos_ids)[0]
-        budgets = rollout._per_prompt(max_tokens, len(prompt_token_ids))
+        budgets = engines._per_prompt(max_tokens, len(prompt_token_ids))
         filler = tok.encode(" so", add_special_tokens=False)[0]
         out = []
         for row, budget in zip(prompt_token_ids, budgets):
@@ -62,7 +63,7 @@ class ScriptedEngine:
 def main():
     argv = sys.argv[1:]
     args = train.parse_args(argv)
-    real_make_engine, real_sample = rollout.make_engine, rollout.sample
+    real_make_engine, real_sample = engines.make_engine, rollout.sample
     tok = load_tokenizer(resolve_model(args.model))
     gold = {}  # prompt tuple -> ground truth, for the answering script (the reward then sees a correct answer)
     for name in (args.data, args.val_data):
@@ -80,7 +81,7 @@ def main():
         engine.keys = {tuple(p): rank if world > 1 else pos % 2 for pos, p in enumerate(prompt_ids)}
         return real_sample(engine, prompt_ids, *a, **k)
 
-    rollout.make_engine, rollout.sample = make_engine, sample
+    engines.make_engine, rollout.sample = make_engine, sample
     rank = int(__import__("os").environ.get("RANK", 0))
     train.main(argv)
     Path(args.out, f"calls_rank{rank}.json").write_text(json.dumps({"calls": box["engine"].calls}))

@@ -2,7 +2,7 @@
 
 Rank r makes r + 1 `generate` calls on its own colocated engine, then both ranks meet at a barrier (what
 MuTIS does when one rank's trajectories all answer in turn 1 and another's need every turn). MODE:
-  ours        rollout.make_engine(distributed=True) built after init_process_group (the trainer's order)
+  ours        engines.make_engine(distributed=True) built after init_process_group (the trainer's order)
   dp          the same, but vLLM built with data_parallel_size=WORLD_SIZE: the engines form one vLLM DP group
               (the old colocation; expected to hang on rank 1's second call)
   before-pg   distributed=True, but the engine is built before the trainer's process group exists
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import rollout  # noqa: E402
+import engines  # noqa: E402
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
     try:
         if mode != "before-pg":
             dist.init_process_group("gloo")
-        engine = rollout.make_engine(model_dir, dtype="float32", seed=0, max_model_len=256, distributed=True,
+        engine = engines.make_engine(model_dir, dtype="float32", seed=0, max_model_len=256, distributed=True,
                                      enforce_eager=True, gpu_memory_utilization=0.2)
         if mode == "before-pg":
             dist.init_process_group("gloo")

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engines
 import model as M
 import rollout
 from conftest import CPU_ENV, ROOT, run_script
@@ -71,7 +72,7 @@ def fake_engine(monkeypatch, on_cpu=False, free=10 * GiB, cuda=True):
     generate's engine half (_generate) answers every prompt with `Answer: 4` and an EOS. cuda=False leaves
     torch.cuda.is_available alone (train.main must still pick the CPU)."""
     log, device = [], {"free": free, "total": 16 * GiB}
-    engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: the fake replaces engine.llm
+    engine = object.__new__(engines.VLLMEngine)  # no vLLM start: the fake replaces engine.llm
     engine.llm, engine.on_cpu, engine.dtype = RecordingLLM(log, device), on_cpu, torch.bfloat16
     engine.asleep, engine.asleep_bytes, engine.utilization = set(), 0, 0.5
     engine.tokenizer = M.load_tokenizer(M.resolve_model("smollm2"))
@@ -81,7 +82,7 @@ def fake_engine(monkeypatch, on_cpu=False, free=10 * GiB, cuda=True):
     def _generate(prompts, max_tokens, *args):
         assert not engine.llm.asleep, "generate on an engine that is not fully awake"
         log.append(("generate", len(prompts)))
-        return [rollout.Completion(answer, [-0.5] * len(answer), True) for _ in prompts]
+        return [engines.Completion(answer, [-0.5] * len(answer), True) for _ in prompts]
 
     engine._generate = _generate
     if cuda:
@@ -250,7 +251,7 @@ def test_train_loop_keeps_the_engine_asleep_except_in_generate(tiny_model_dir, t
 
 
 def test_private_vllm_paths_live_in_one_function():
-    src = (ROOT / "rollout.py").read_text()
+    src = (ROOT / "engines.py").read_text()
     body = src[src.index("def _vllm_internal"):src.index("class VLLMEngine")]
     rest = src.replace(body, "")
     for private in ("engine_core", "model_executor", "driver_worker", "model_runner", "cpu_linear"):

@@ -198,9 +198,9 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def smol_engine(smollm2_dir):
-    import rollout
+    import engines
 
-    engine = rollout.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024,
+    engine = engines.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024,
                                  gpu_memory_utilization=0.25)  # GPU: leaves room for eval.py subprocesses
     yield engine
     engine.close()

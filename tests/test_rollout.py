@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import engines
 import rollout
 from conftest import run_script
 from model import load_causal_lm
@@ -16,7 +17,7 @@ MAX_LEN = 512  # engine context: small so that the context cap is cheap to reach
 def vllm_engine(tiny_model_dir):
     """The one vLLM engine of this file; closed at the end so that later test files get the memory and an
     uninitialised torch.distributed back (vLLM sets up a world-size-1 group in-process)."""
-    engine = rollout.make_engine(tiny_model_dir, kind="vllm", dtype="float32", seed=0, max_model_len=MAX_LEN,
+    engine = engines.make_engine(tiny_model_dir, kind="vllm", dtype="float32", seed=0, max_model_len=MAX_LEN,
                                  enforce_eager=True, gpu_memory_utilization=0.25)  # GPU: room for the other engines
     yield engine
     engine.close()
@@ -24,7 +25,7 @@ def vllm_engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model_dir):
-    engine = rollout.make_engine(tiny_model_dir, kind="hf", dtype="float32", seed=0, max_model_len=MAX_LEN)
+    engine = engines.make_engine(tiny_model_dir, kind="hf", dtype="float32", seed=0, max_model_len=MAX_LEN)
     yield engine
     engine.close()
 
@@ -233,10 +234,10 @@ def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prom
 
 
 def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv):
-    with pytest.raises(rollout.RolloutTimeout, match="rollout-timeout"):
+    with pytest.raises(engines.RolloutTimeout, match="rollout-timeout"):
         rollout.sample(vllm_engine, prompts * 4, n=4, turn_tokens=200, temperature=1.0, intervention_ids=iv,
                        timeout=0.01)
-    with pytest.raises(rollout.RolloutTimeout):
+    with pytest.raises(engines.RolloutTimeout):
         hf_engine.generate(prompts, 200, temperature=1.0, timeout=0.01)
     out = vllm_engine.generate(prompts, 3, temperature=0)  # aborted requests are gone
     assert len(out) == len(prompts) and all(len(o.token_ids) == 3 for o in out)

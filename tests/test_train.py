@@ -77,7 +77,7 @@ def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_pa
 @pytest.mark.timeout(1000)
 def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir):
     from transformers import AutoModelForCausalLM
-    import rollout
+    import engines
 
     actor = three_steps / "step_000003" / "actor"
     trained = AutoModelForCausalLM.from_pretrained(actor, dtype=torch.float32)
@@ -86,7 +86,7 @@ def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir)
     with torch.no_grad():
         lt, lb = trained(ids).logits, base(ids).logits
     assert torch.isfinite(lt).all() and not torch.allclose(lt, lb)  # trained weights, not the base ones
-    engine = rollout.make_engine(str(actor), kind="vllm", dtype="float32", max_model_len=256, enforce_eager=True,
+    engine = engines.make_engine(str(actor), kind="vllm", dtype="float32", max_model_len=256, enforce_eager=True,
                                  gpu_memory_utilization=0.25)
     try:
         (out,) = engine.generate([ids[0].tolist()], 8, temperature=0.0)

@@ -5,6 +5,7 @@ so each case below -- answer in a budget cut, answerless EOS, two answers, no an
 exactly as written instead of whenever a random model happens to produce it."""
 import pytest
 
+import engines
 import reward
 import rollout
 from model import load_tokenizer
@@ -26,7 +27,7 @@ class ScriptedEngine:
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None):
         out = []
-        budgets = rollout._per_prompt(max_tokens, len(prompt_token_ids))
+        budgets = engines._per_prompt(max_tokens, len(prompt_token_ids))
         self.requests.append((list(stop), list(eos_ids)))
         for ids, budget in zip(prompt_token_ids, budgets):
             p = next(i for key, i in self.prompts.items() if tuple(ids[:len(key)]) == key)
@@ -40,7 +41,7 @@ class ScriptedEngine:
                     break
             if len(script) > budget:
                 script, stopped = script[:budget], False
-            out.append(rollout.Completion(script, [-0.5] * len(script), stopped))
+            out.append(engines.Completion(script, [-0.5] * len(script), stopped))
         return out
 
 

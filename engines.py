@@ -1,0 +1,353 @@
+"""Generation engines with one interface (`generate`, `sleep`, `wake_up`, `sync_weights`, `close`): vLLM
+in-process (colocated with the trainer; under torchrun each rank owns an engine and samples its shard) and a
+batched transformers backend with KV cache for debugging and cross-checks. rollout.sample drives either.
+"""
+import gc
+import math
+import os
+import time
+from collections import namedtuple
+
+import torch
+
+from cli import die
+from model import engine_memory_error, load_causal_lm, load_tokenizer
+from system import choose_dtype, default_device
+
+
+# token_ids/logprobs: lists for one completion; stopped: ended on EOS or a stop string (else: length cap)
+Completion = namedtuple("Completion", "token_ids logprobs stopped")
+
+
+class RolloutTimeout(RuntimeError):
+    """An engine call ran past --rollout-timeout; nothing from the call is returned."""
+
+
+def _per_prompt(value, m):
+    return list(value) if isinstance(value, (list, tuple)) else [value] * m
+
+
+def _deadline(timeout):
+    return None if not timeout else time.monotonic() + timeout
+
+
+def _check_deadline(deadline, timeout, done, total):
+    if deadline is not None and time.monotonic() > deadline:
+        raise RolloutTimeout(f"engine call exceeded --rollout-timeout {timeout:g}s "
+                             f"({done}/{total} requests done); no partial batch is returned")
+
+
+# ----------------------------------------------------------------------------- vLLM engine
+
+def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
+    """The one place that relies on vLLM below its public `LLM` API (checked against vLLM 0.32; these paths
+    move between versions). The engine is in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, also forced by
+    external_launcher), so LLM.collective_rpc / LLM.apply_model call into the one worker directly, arguments
+    as they are (a generator of tensors, a closure), nothing serialised.
+      op="reload": load full (name, tensor) pairs in HF names, in place, through the worker's reload_weights
+        (model.load_weights fails after start-up on the CPU backend: weights are repacked at load).
+      op="shutdown": stop the engine core (LLM has no close())."""
+    if op == "shutdown":
+        llm.llm_engine.engine_core.shutdown()
+        return
+    assert op == "reload", op
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+    if repack_tied_head:
+        def repack(model):
+            # vLLM 0.32 CPU: a tied lm_head loads no tensor of its own, so its packed GEMM kept the old
+            # embedding matrix while the embedding itself was updated; repack it from the current weight.
+            lm_head = getattr(model, "lm_head", None)
+            if hasattr(lm_head, "cpu_linear"):
+                lm_head.quant_method.process_weights_after_loading(lm_head)
+        llm.apply_model(repack)
+
+
+class VLLMEngine:
+    def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
+                 distributed=False, enforce_eager=False, kv_cache_gib=None):
+        # In-process engine: the trainer and the sampler share one process per rank (no engine subprocess).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        set_threads = torch.set_num_threads
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs = {}
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            # Without an explicit KV size the CPU backend reserves gpu_memory_utilization of *host* RAM.
+            kv = kv_cache_gib if kv_cache_gib is not None else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 2))
+            kwargs["kv_cache_memory_bytes"] = int(kv * 2**30)
+            # The prefix cache reuses whole blocks only: with the CPU default of 128, every turn re-prefills up to
+            # 127 tokens per sample; 32 (the smallest the CPU attention kernels take) measured ~20% faster multi-turn.
+            kwargs["block_size"] = 32
+        else:
+            kwargs["enable_sleep_mode"] = True  # weights dropped / KV cache freed while the trainer runs
+            self.utilization = gpu_memory_utilization
+            self._check_memory("start", math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1]))
+        if distributed:
+            # Colocated under torchrun (TRL's colocate mode): every rank builds its own engine and samples its own
+            # shard. external_launcher takes RANK/LOCAL_RANK from torchrun (device cuda:LOCAL_RANK) and adopts the
+            # trainer's default process group as its world; with tensor_parallel_size=1 and NO data_parallel_size,
+            # every vLLM group (TP, PP, DP) has one member: each engine is its own world of one, generate makes no
+            # collective, and ranks may make different numbers of calls (MuTIS: a rank whose samples all answered
+            # stops early; validation shards differ in size). data_parallel_size=WORLD_SIZE would make the engines
+            # one vLLM DP group whose generate calls must be made together (they all-reduce every step): deadlock.
+            # Start-up is still collective over the trainer's group (torch new_group for vLLM's groups, the
+            # MIN of every rank's KV-cache size): build the engine on every rank at once, in the same order, and
+            # after init_process_group -- without it vLLM calls init_process_group(world_size=1, rank=RANK)
+            # itself, which fails on every rank but 0.
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise RuntimeError("VLLMEngine(distributed=True) must be built after torch.distributed."
+                                   "init_process_group, on every rank (vLLM adopts the trainer's group)")
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
+                       tensor_parallel_size=1, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
+                       **kwargs)
+        self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
+        # The CPU worker replaces torch.set_num_threads with a no-op; give the colocated trainer it back.
+        torch.set_num_threads = set_threads
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.utilization = gpu_memory_utilization
+        self.asleep = set()   # what is not mapped: {} awake, {"kv_cache"}, or {"weights", "kv_cache"}
+        self.asleep_bytes = 0  # what sleeping freed and waking maps back (measured), for the memory guard
+        self.calls = 0  # request ids: f'{call}-{i}'
+
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
+                 eos_ids=None, timeout=None):
+        """prompt_token_ids: list of M id lists; max_tokens, seed: one value or one per prompt.
+        Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
+        i.e. what a trainer computes with the same temperature. Wakes the KV cache of a sleeping engine: it is
+        mapped only while generating (the caller sleeps it again: train.py after rollouts and validation)."""
+        self.wake_up()
+        return self._generate(prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout)
+
+    def _generate(self, prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        m = len(prompt_token_ids)
+        eos_ids = [self.tokenizer.eos_token_id] if eos_ids is None else list(eos_ids)
+        max_tokens, seed = _per_prompt(max_tokens, m), _per_prompt(seed, m)
+        params = [SamplingParams(n=1, max_tokens=max_tokens[i], temperature=temperature, top_p=top_p, seed=seed[i],
+                                 stop=list(stop) or None, include_stop_str_in_output=True,
+                                 ignore_eos=True, stop_token_ids=eos_ids,  # exactly eos_ids stop a turn
+                                 logprobs=0, detokenize=bool(stop))  # text only for stop-string matching
+                  for i in range(m)]
+        deadline = _deadline(timeout)
+        engine = self.llm.llm_engine
+        # add_request + our own step loop (what LLM.generate does) so the deadline is checked every step.
+        self.calls += 1
+        req_ids = [f"{self.calls}-{i}" for i in range(m)]
+        for rid, ids, param in zip(req_ids, prompt_token_ids, params):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), param)
+        done = {}
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                _check_deadline(deadline, timeout, len(done), m)
+        except BaseException:
+            engine.abort_request([r for r in req_ids if r not in done])
+            raise
+        results = []
+        for rid in req_ids:
+            o = done[rid].outputs[0]
+            results.append(Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
+                                      o.finish_reason == "stop"))
+        return results
+
+    def sleep(self, keep_weights=False):
+        """Free accelerator memory for training. keep_weights=False (after a rollout): drop weights and KV cache
+        (vLLM's level 2; the next sync_weights overwrites every weight, so no CPU copy is kept). keep_weights=True
+        (after validation: the same weights sample the next rollout): free the KV cache only, weights stay on the
+        GPU (vLLM's public level-0 pause + release_kv_cache_memory; level 1 would copy the weights to host RAM and
+        back). No-op on CPU, where vLLM has no sleep mode."""
+        if self.on_cpu or "weights" in self.asleep or (keep_weights and self.asleep):
+            return  # nothing more to free
+        self._empty_cache()  # the trainer's cached blocks: not the engine's, keep them out of the measure
+        before = self._free_bytes()
+        if keep_weights:
+            self.llm.sleep(level=0)  # pause the scheduler: release_kv_cache_memory needs it
+            self.llm.release_kv_cache_memory()
+            self.asleep = {"kv_cache"}
+        else:
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
+        self.asleep_bytes += max(self._free_bytes() - before, 0)
+
+    @staticmethod
+    def _empty_cache():
+        # vLLM's sleep-mode allocator maps its own memory: it cannot use blocks PyTorch's caching allocator
+        # still holds from training (activations, optimiser temporaries, gathered weights)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def _free_bytes():
+        return torch.cuda.mem_get_info()[0]
+
+    def _check_memory(self, when, need):
+        """Die in one line (model.engine_memory_error) when vLLM's `need` bytes are not free, before it fails with
+        a bare CUDA out-of-memory error."""
+        self._empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        msg = engine_memory_error(when, need, free, total, torch.cuda.memory_reserved(), self.utilization)
+        if msg:
+            die(msg)
+
+    def _wake(self, tag):
+        """Map `tag` again (weights or kv_cache), checking first that everything still asleep fits: the KV cache
+        follows the weights before the next generate, so a short device fails at the first of the two."""
+        self._check_memory("wake", self.asleep_bytes)
+        before = self._free_bytes()
+        self.llm.wake_up(tags=[tag])
+        self.asleep.discard(tag)
+        self.asleep_bytes = 0 if not self.asleep else max(self.asleep_bytes - (before - self._free_bytes()), 0)
+
+    def wake_up(self):
+        """Map the KV cache of an engine asleep with its weights (a no-op when awake). An engine that dropped its
+        weights must be woken by sync_weights."""
+        if not self.asleep:
+            return
+        if "weights" in self.asleep:
+            raise RuntimeError("the engine dropped its weights when it slept: wake it with sync_weights")
+        self._wake("kv_cache")
+        self.llm.reset_prefix_cache()  # the KV cache was dropped
+
+    def close(self):
+        """Shut the engine down and free its memory (idempotent). Under torchrun this also destroys the default
+        process group (vLLM's teardown does), so call it after the trainer's last collective."""
+        if self.llm is not None:
+            _vllm_internal(self.llm, "shutdown")
+            self.llm = None
+            gc.collect()
+            self._empty_cache()
+
+    def sync_weights(self, named_tensors):
+        """Load full (name, tensor) pairs in HF checkpoint names, e.g. parallel.full_state_dict(...) (a generator:
+        each full tensor is gathered, loaded and dropped in turn). An engine that dropped its weights wakes them
+        only (empty PyTorch's cache, check the memory, wake, load, empty the cache again: the gathered tensors);
+        the KV cache stays asleep until the next generate (validation, checkpointing and the next rollout's
+        start run without it). The prefix cache is reset (old weights' KV). Floating tensors are cast to the
+        engine's dtype on the way (an fp32 trainer, a bf16 engine: half the copy)."""
+        named_tensors = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
+        if "weights" in self.asleep:  # (sleeping cleared the prefix cache; waking the KV cache resets it again)
+            self._wake("weights")
+            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+            self._empty_cache()
+        else:
+            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+            self.llm.reset_prefix_cache()
+
+
+# ----------------------------------------------------------------------------- transformers engine
+
+class HFEngine:
+    """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
+
+    def __init__(self, model_path, dtype, seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
+        self.device = default_device(device)
+        if attn_implementation == "varlen":  # the trainer's kernel for packed rows; generation pads and masks
+            attn_implementation = "sdpa"
+        self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
+                                    attn_implementation=attn_implementation).to(self.device).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.seed = seed
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
+                 eos_ids=None, timeout=None):
+        from transformers import DynamicCache
+
+        m = len(prompt_token_ids)
+        eos = {self.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
+        rows = [list(p) for p in prompt_token_ids]
+        limits = _per_prompt(max_tokens, m)
+        seeds = [self.seed if s is None else s for s in _per_prompt(seed, m)]
+        gens = [torch.Generator(self.device).manual_seed(s) for s in seeds]  # per-row streams: batch-invariant
+        B, P = len(rows), max(map(len, rows))
+        ids = torch.full((B, P), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(B, P, dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: every row's next token sits in the last column
+            ids[i, P - len(r):] = torch.tensor(r)
+            mask[i, P - len(r):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True).logits[:, -1].float()  # [B, V]
+        out_ids, out_lp = [[] for _ in range(B)], [[] for _ in range(B)]
+        stopped, active = [False] * B, [lim > 0 for lim in limits]
+        longest_stop = max((len(s) for s in stop), default=0)
+        deadline = _deadline(timeout)
+        while any(active):
+            _check_deadline(deadline, timeout, B - sum(active), B)
+            logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)  # [B, V]
+            if temperature > 0 and top_p < 1.0:  # nucleus: keep the smallest set with mass >= top_p, renormalise
+                sp, si = logp.sort(-1, descending=True)
+                drop = sp.exp().cumsum(-1) - sp.exp() >= top_p
+                logp = torch.log_softmax(logp.scatter(-1, si, sp.masked_fill(drop, -float("inf"))), -1)
+            nxt = logp.argmax(-1)  # [B]
+            if temperature > 0:
+                probs = logp.exp()
+                for i in range(B):
+                    if active[i]:
+                        nxt[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+            for i in range(B):
+                if not active[i]:
+                    continue
+                t = int(nxt[i])
+                out_ids[i].append(t)
+                out_lp[i].append(float(logp[i, t]))
+                if t in eos or (stop and any(s in self.tokenizer.decode(out_ids[i][-longest_stop:]) for s in stop)):
+                    stopped[i], active[i] = True, False
+                elif len(out_ids[i]) >= limits[i]:
+                    active[i] = False
+            if not any(active):
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+            pos = pos[:, -1:] + 1
+            logits = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                use_cache=True).logits[:, -1].float()
+        return [Completion(out_ids[i], out_lp[i], stopped[i]) for i in range(B)]
+
+    def sleep(self, keep_weights=False):
+        pass  # nothing to free: the debugging backend is not colocated with an accelerator trainer
+
+    def wake_up(self):
+        pass
+
+    def close(self):
+        self.model = None  # free the accelerator memory now, not at garbage collection
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors):
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name in params:
+                params[name].copy_(tensor)
+
+
+def make_engine(model_path, kind="vllm", dtype="auto", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
+                distributed=False, enforce_eager=False, attn_implementation="sdpa"):
+    """dtype: auto (system.choose_dtype: the one place that picks an engine's dtype) or a torch dtype name.
+    distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
+    init_process_group). attn_implementation: the hf engine's transformers attention (vLLM picks its own)."""
+    dtype = choose_dtype(dtype, engine=kind)[0]
+    if kind == "vllm":
+        return VLLMEngine(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                          max_model_len=max_model_len, distributed=distributed, enforce_eager=enforce_eager)
+    if kind == "hf":
+        return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                        attn_implementation=attn_implementation)
+    raise ValueError(f"unknown engine kind {kind!r} (vllm|hf)")
