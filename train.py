@@ -23,12 +23,11 @@ With gae and rloo the KL to the reference is a per-token reward instead: r_t = s
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,10 +44,11 @@ import rollout
 from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, load_critic, load_tokenizer, resolve_model,
                    token_logprobs)
-from packing import forward_pass, micro_batches, pack, padding_counts
+from logs import format_line, make_logger, report, step_metrics, timed
+from packing import forward_pass, micro_batches, pack
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
                       load_checkpoint, save_checkpoint, shard)
-from system import choose_dtype, keep_freed_memory, peak_rss_gb, quiet_logs
+from system import choose_dtype, keep_freed_memory, quiet_logs
 
 
 def parse_args(argv=None):
@@ -436,41 +436,6 @@ def validate(run, args):
             "time/validate": time.time() - t0}
 
 
-def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats, skipped, update_groups, timer):
-    """One step's metrics: rollout shape, rewards, KL, padding (sums over every rank), the update's
-    statistics averaged over its mini-batches, timings."""
-    act = batch["action_mask"].bool()                                                           # [B, R]
-    pad_lp = padding_counts(batch, list(torch.arange(len(trajs)).split(args.micro_batch_size)))
-    pad_up = padding_counts(batch, update_groups)
-    gap = 0.0 if old_logprobs is None else float((batch["rollout_logprobs"] - old_logprobs).abs()[act].sum())
-    t = all_reduce_dict({
-        "pad_lp": pad_lp["padding"], "computed_lp": pad_lp["computed"],
-        "pad_up": pad_up["padding"], "computed_up": pad_up["computed"],
-        "score": sum(r["score"] for r in results), "acc": sum(r["acc"] for r in results), "count": len(trajs),
-        "tokens": float(batch["response_mask"].sum()), "turns": sum(x["turns"] for x in trajs),
-        "interventions": sum(x["interventions"] for x in trajs), "truncated": sum(x["truncated"] for x in trajs),
-        "answered": sum(x["answered"] for x in trajs), "cut_turns": sum(x["cut_turns"] for x in trajs),
-        "kl": float(kl[act].sum()), "actions": float(act.sum()), "logprob_gap": gap}, run.device)
-    n, actions = t["count"], max(t["actions"], 1.0)
-    metrics = {"step": step, "reward/mean": t["score"] / n, "acc/mean": t["acc"] / n,
-               "response_length/mean": t["tokens"] / n, "turns/mean": t["turns"] / n,
-               "interventions/mean": t["interventions"] / n, "truncated/share": t["truncated"] / n,
-               "answered/share": t["answered"] / n, "turns/cut_at_answer_share": t["cut_turns"] / max(t["turns"], 1),
-               "kl/mean": t["kl"] / actions, "kl/coef": run.kl_ctl.value,  # this step's coefficient
-               "rollout/logprob_gap": t["logprob_gap"] / actions,
-               "padding/logprobs": t["pad_lp"] / max(t["computed_lp"], 1),
-               "padding/update": t["pad_up"] / max(t["computed_up"], 1),
-               "actor/lr": run.schedulers[0].get_last_lr()[0], "update/skipped": skipped,
-               "throughput/tokens_per_s": t["tokens"] / timer["step"], "system/peak_rss_gb": peak_rss_gb()}
-    if run.critic is not None:
-        metrics["critic/lr"] = run.schedulers[1].get_last_lr()[0]
-    for key in sorted({k for s in stats for k in s}):  # a skipped update leaves its statistics out
-        kept = [s[key] for s in stats if key in s and math.isfinite(s[key])]
-        metrics[key] = float(np.mean(kept)) if kept else float("nan")
-    metrics.update({f"time/{k}": v for k, v in timer.items()})
-    return metrics
-
-
 # ----------------------------------------------------------------------------- setup and resume
 
 def setup(args):
@@ -611,85 +576,6 @@ def models_and_optimisers(run):
 def trainer_state(args, run, step):
     return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
             "schedulers": [s.state_dict() for s in run.schedulers]}
-
-
-@contextmanager
-def timed(timer, name):
-    t0 = time.time()
-    yield
-    timer[name] = time.time() - t0
-
-
-# ----------------------------------------------------------------------------- logs
-
-def make_logger(args, out):
-    """Append one JSON object per step to OUT/metrics.jsonl (and wandb / tensorboard when asked)."""
-    sinks = []
-    if args.wandb:
-        import wandb
-        wandb.init(project="mutis", config=vars(args), dir=str(out))
-        sinks.append(lambda m: wandb.log(m, step=m["step"]))
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(str(out / "tb"))
-        sinks.append(lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items() if k != "step"])
-
-    def log(metrics):
-        metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        with open(out / "metrics.jsonl", "a") as f:  # strict JSON: NaN (e.g. explained_var of constant returns) -> null
-            f.write(json.dumps(metrics) + "\n")
-        for sink in sinks:
-            sink(metrics)
-    return log
-
-
-def format_line(m, total_steps):
-    t = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time/") and k not in ("time/step",
-                                                                                                    "time/validate"))
-    line = (f"step {m['step']}/{total_steps} | reward {m['reward/mean']:.3f} acc {m['acc/mean']:.3f} "
-            f"len {m['response_length/mean']:.0f} turns {m['turns/mean']:.2f} int {m['interventions/mean']:.2f} "
-            f"ans {m['answered/share']:.2f} "
-            f"| kl {m['kl/mean']:.4f} pg {m.get('loss/pg', 0):.4f} vf {m.get('loss/vf', 0):.4f} "
-            f"clip {m.get('actor/clipfrac', 0):.3f} ent {m.get('actor/entropy', 0):.3f} gn {m['actor/grad_norm']:.2f} "
-            f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s "
-            f"pad {m['padding/logprobs']:.0%}/{m['padding/update']:.0%}")
-    if "val/acc" in m:
-        line += f" | val acc {m['val/acc']:.3f} len {m['val/response_length']:.0f} ({m['time/validate']:.0f}s)"
-    return line
-
-
-def report(val_history, out):
-    """Before/after validation summary and OUT/curves.png."""
-    if len(val_history) >= 2:
-        (s0, a), (s1, b) = val_history[0], val_history[-1]
-        print(f"[val] step {s0} -> {s1}: acc {a['val/acc']:.3f} -> {b['val/acc']:.3f} "
-              f"({100 * (b['val/acc'] - a['val/acc']):+.1f} pts), tokens {a['val/response_length']:.1f} -> "
-              f"{b['val/response_length']:.1f} ({100 * (b['val/response_length'] / max(a['val/response_length'], 1e-9) - 1):+.0f}%), "
-              f"turns {a['val/turns']:.2f} -> {b['val/turns']:.2f}", flush=True)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    logged = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
-    rows = [r for r in logged if "reward/mean" in r]
-    val_rows = [r for r in logged if r.get("val/acc") is not None]
-    if not rows:
-        return
-    # training rollouts (sampled) and, where it ran, validation (greedy) on the same axes
-    keys = [("reward/mean", None), ("acc/mean", "val/acc"), ("response_length/mean", "val/response_length"),
-            ("turns/mean", "val/turns")]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, (key, val_key) in zip(axes, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o", label="train")
-        if val_key and val_rows:
-            ax.plot([r["step"] for r in val_rows], [r[val_key] for r in val_rows], marker="s", label="validation")
-            ax.legend()
-        ax.set_title(key), ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out / "curves.png.tmp.png")
-    os.replace(out / "curves.png.tmp.png", out / "curves.png")
 
 
 if __name__ == "__main__":
