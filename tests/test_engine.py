@@ -13,7 +13,6 @@ import torch
 
 import engines
 import model as M
-import rollout
 from conftest import CPU_ENV, ROOT, run_script
 
 
@@ -225,7 +224,7 @@ def test_train_loop_keeps_the_engine_asleep_except_in_generate(tiny_model_dir, t
     import train
 
     engine, log, _ = fake_engine(monkeypatch, cuda=False)
-    monkeypatch.setattr(rollout, "make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: engine)
     real_save = train.save_checkpoint
 
     def save_checkpoint(*a, **k):
