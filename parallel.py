@@ -267,7 +267,7 @@ def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB
             tokenizer.save_pretrained(tmp)
 
 
-def save_critic(critic, out_dir, tokenizer=None, dtype=None, max_shard_size="5GB"):
+def save_critic(critic, out_dir, dtype=None, max_shard_size="5GB"):
     """The backbone as its own save_pretrained directory (AutoModel and AutoModelForCausalLM both load it)
     + value_head.safetensors; load_critic reads both. dtype=None keeps the parameters' own dtype (exact
     resume). Every rank calls it; rank 0 writes."""
@@ -280,5 +280,3 @@ def save_critic(critic, out_dir, tokenizer=None, dtype=None, max_shard_size="5GB
         if tmp is not None:
             _save_pretrained(critic.backbone, tmp, backbone, dtype, max_shard_size)
             save_file(head, tmp / VALUE_HEAD_FILE, metadata={"format": "pt"})
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)

@@ -73,9 +73,9 @@ def _strip_math(s):
 Answer = namedtuple("Answer", "text how end")  # the answer, its form (boxed|tag|line|number), where it ends
 
 
-def _blank(text, prompt=None):
-    """Blank out intervention sentences, the prompt and tag echoes, keeping every offset in place."""
-    for s in INTERVENTIONS + ((prompt,) if prompt else ()):
+def _blank(text):
+    """Blank out intervention sentences and tag echoes, keeping every offset in place."""
+    for s in INTERVENTIONS:
         text = text.replace(s, " " * len(s))
     return _ECHO_RE.sub(lambda m: " " * len(m.group(0)), text)
 
@@ -136,26 +136,26 @@ def _last_answer(text):
     return None
 
 
-def find_answer(text, first=False, last_number=False, prompt=None):
+def find_answer(text, first=False, last_number=False):
     """The one answer detector, shared by the turn rule (rollout.py) and the reward -> Answer or None.
 
     first=True: the first complete answer, as the MuTIS reference cuts turns (`_first_answer`); its
     `end` is where the turn is cut. first=False: the last answer (`_last_answer`), for responses
     kept whole. Only explicit answers count (\\boxed{}, <answer> tags, 'Answer:'); last_number=True
-    (GSM8K-style sources, scoring only) falls back to the last number. Intervention sentences and
-    `prompt`, if given, are never read as answers."""
+    (GSM8K-style sources, scoring only) falls back to the last number. Intervention sentences are never
+    read as answers."""
     if not isinstance(text, str):
         return None
-    text = _blank(text, prompt)
+    text = _blank(text)
     found = _first_answer(text) if first else _last_answer(text)
     if found is None and last_number and (nums := _NUM_RE.findall(text)):
         found = Answer(nums[-1].replace(",", "").rstrip("."), "number", len(text))
     return found
 
 
-def extract_answer(text, last_number=False, prompt=None, first=False):
+def extract_answer(text, last_number=False, first=False):
     """The final answer's text (see find_answer), or None."""
-    found = find_answer(text, first, last_number, prompt)
+    found = find_answer(text, first, last_number)
     return found.text if found else None
 
 

@@ -74,7 +74,6 @@ def test_extract_last_number_is_opt_in():
     text = "She sells 9 eggs for $2 each, so she makes $1,018 every day"
     assert reward.extract_answer(text) is None
     assert reward.extract_answer(text, last_number=True) == "1018"
-    assert reward.extract_answer(r"Q: is it \boxed{2}? A: no", prompt=r"Q: is it \boxed{2}?") is None
 
 
 # ------------------------------------------------------------------------------------------------
