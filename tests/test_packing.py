@@ -111,8 +111,9 @@ def test_token_budget_fills_micro_batches_and_keeps_every_row_once():
 
 @pytest.mark.parametrize("budget", [None, 50])
 def test_token_budget_on_two_uneven_ranks_takes_the_one_rank_step(tiny_model_dir, tmp_path, torchrun, budget):
-    """Rank 0 holds two short sequences, rank 1 two long ones: by token budget rank 0 needs one micro-batch and
-    rank 1 two, so rank 0 must split (FSDP hangs otherwise); the step equals one rank holding all four rows."""
+    """Rank 0 holds two short sequences (3 action tokens each), rank 1 two long ones (30): token-mean weighs every
+    token the same whichever rank holds it, so the step equals one rank holding all four rows. By token budget
+    rank 0 needs one micro-batch and rank 1 two, so rank 0 must split (FSDP hangs otherwise)."""
     extra = [] if budget is None else [str(budget)]
     for nproc, out in ((1, "one.pt"), (2, "two.pt")):
         proc = torchrun("tests/_token_mean_worker.py", tiny_model_dir, tmp_path / out, *extra, nproc=nproc,
