@@ -19,12 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
+import packing  # noqa: E402
 import system as S  # noqa: E402
 
 
 def naive_logprobs(m, ids, mask, start, temperature, with_entropy):
     """What a straightforward implementation does: [B, L, V] logits and an fp32 log-softmax over all of it."""
-    logits = m(input_ids=ids, attention_mask=mask, position_ids=M.position_ids_from_mask(mask)).logits
+    logits = m(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     logp = torch.log_softmax(logits[:, start - 1:-1].float() / temperature, dim=-1)  # [B, R, V]
     token = logp.gather(-1, ids[:, start:, None]).squeeze(-1)  # [B, R]
     return (token, -(logp.exp() * logp).sum(-1)) if with_entropy else token
@@ -54,7 +55,8 @@ def worker(args):
 
     def run():
         if args.variant == "chunked":
-            out = M.token_logprobs(m, ids, mask, start, 0.7, args.entropy, chunk_size=args.chunk_size)
+            out = M.token_logprobs(m, packing.from_padded(ids, mask, start), 0.7, args.entropy,
+                                   chunk_size=args.chunk_size)
         else:
             out = naive_logprobs(m, ids, mask, start, 0.7, args.entropy)
         loss = out[0].sum() + 0.001 * out[1].sum() if args.entropy else out.sum()  # PPO also needs entropy

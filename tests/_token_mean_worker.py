@@ -1,4 +1,4 @@
-"""Run by tests/test_train_units.py and tests/test_packing.py under torchrun with 1 or 2 ranks: one train.ppo_update
+"""Run by tests/test_packing.py under torchrun with 1 or 2 ranks: one train.ppo_update
 on a fixed global mini-batch whose rows carry very different numbers of tokens. Rank r takes rows r::world, so with
 2 ranks rank 0 holds the short responses and rank 1 the long ones.
 

@@ -64,6 +64,24 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_path(tiny_model_
         assert (grads[0][name] - g).abs().max() < 1e-5 * max(1.0, g.abs().max().item()), name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")
+def test_varlen_kernel_on_cuda_matches_the_padded_path_in_bf16(tiny_model_dir):
+    """The CUDA path of varlen_attention (torch's flash kernel, GQA) against padded SDPA with a mask, both bf16."""
+    batch, device = trajectories(), torch.device("cuda")
+    resp = batch["response_mask"].bool().to(device)
+    out = []
+    for path in ("packed", "padded"):
+        m = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16,
+                             attn_implementation="varlen" if path == "packed" else "sdpa").to(device)
+        with torch.no_grad():
+            if path == "packed":
+                out.append(M.token_logprobs(m, packing.pack(batch, torch.arange(5), device), 0.7))
+            else:
+                on_device = {k: v.to(device) for k, v in batch.items()}
+                out.append(padded_reference(m, on_device, 0.7)[0] * resp)
+    assert (out[0] - out[1]).abs().max() < 0.05 * out[1].abs().max(), (out[0] - out[1]).abs().max()
+
+
 def test_packed_values_equal_the_padded_path(tiny_model_dir):
     batch = trajectories()
     critic = M.load_critic(tiny_model_dir, attn_implementation="varlen")
@@ -111,8 +129,9 @@ def test_token_budget_fills_micro_batches_and_keeps_every_row_once():
 
 @pytest.mark.parametrize("budget", [None, 50])
 def test_token_budget_on_two_uneven_ranks_takes_the_one_rank_step(tiny_model_dir, tmp_path, torchrun, budget):
-    """Rank 0 holds two short sequences, rank 1 two long ones: by token budget rank 0 needs one micro-batch and
-    rank 1 two, so rank 0 must split (FSDP hangs otherwise); the step equals one rank holding all four rows."""
+    """Rank 0 holds two short sequences (3 action tokens each), rank 1 two long ones (30): token-mean weighs every
+    token the same whichever rank holds it, so the step equals one rank holding all four rows. By token budget
+    rank 0 needs one micro-batch and rank 1 two, so rank 0 must split (FSDP hangs otherwise)."""
     extra = [] if budget is None else [str(budget)]
     for nproc, out in ((1, "one.pt"), (2, "two.pt")):
         proc = torchrun("tests/_token_mean_worker.py", tiny_model_dir, tmp_path / out, *extra, nproc=nproc,
