@@ -217,7 +217,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default=None, help="an earlier commit's files (git archive C | tar -x -C DIR): "
                                                   "adds its padded trainer as the 'before' variant")
-    p.add_argument("--variants", default=None, help="comma-separated subset of: " + "; ".join(VARIANTS))
+    p.add_argument("--variants", default=None, help="a subset, separated by ';': " + "; ".join(VARIANTS))
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=150, help="seconds per variant")
@@ -227,7 +227,10 @@ def main():
     if args.one:
         print("RESULT " + json.dumps(run_variant(args.one, args)), flush=True)
         return
-    names = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
+    names = [v.strip() for v in args.variants.split(";")] if args.variants else list(VARIANTS)
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     names = [v for v in names if VARIANTS[v][0] == "after" or args.before]
     results, t0 = [], time.time()
     for name in names:

@@ -137,6 +137,8 @@ def main():
     # what the update does beyond forward + backward: clip + AdamW once per mini-batch (timed again on the actor)
     t0 = time.perf_counter()
     for _ in minis:
+        for prm in actor.parameters():  # the update frees its gradients after the step: give the step some
+            prm.grad = torch.zeros_like(prm)
         torch.nn.utils.clip_grad_norm_(actor.parameters(), targs.grad_clip, foreach=True)
         opt.step()
     t_opt = time.perf_counter() - t0
