@@ -248,9 +248,10 @@ def main():
                   flush=True)
             continue
         results.append(json.loads(line[7:]))
-        print(f"[gpu_bench] {name}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(f"[gpu_bench] {name}: done ({time.time() - t0:.0f}s)\n{table(results[-1:])}", file=sys.stderr,
+              flush=True)
+        if args.out:  # after every variant: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=1))
     print(table(results))
 
 
