@@ -20,6 +20,8 @@ References: Schulman et al. 2017 (PPO, clipped surrogate), Schulman et al. 2016 
 Ziegler et al. 2019 (per-token KL reward, adaptive KL controller), Ye et al. 2020 (dual clip),
 Shao et al. 2024 (GRPO), Ahmadian et al. 2024 (RLOO), Yao et al. 2025 (truncated importance sampling).
 """
+import math
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -178,7 +180,7 @@ def rollout_is_weights(old_logprobs, rollout_logprobs, action_mask, cap=2.0, lev
         log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)  # [B, T], the row's total on every token
     elif level != "token":
         raise ValueError(f"ppo.rollout_is_weights: unknown level {level!r} (expected one of {', '.join(IS_LEVELS)})")
-    log_cap = torch.log(torch.tensor(float(cap)))
+    log_cap = math.log(cap)  # a number, not a CPU tensor: the log-probs may live on a GPU
     clipped = mask & (log_ratio > log_cap)
     weights = torch.where(mask, torch.exp(torch.clamp(log_ratio, max=log_cap)), 0.0)  # clamp first: no inf
     stats = {"is_weight_mean": masked_mean(weights, mask), "is_clipped_share": masked_mean(clipped.float(), mask)}

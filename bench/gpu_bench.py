@@ -18,7 +18,9 @@ Model FLOPs count useful work only (no padding, no recompute): per token 2 x the
 LM head on response tokens (2 H V), causal attention 2 L d s^2 per sequence; x3 with the backward.
 Memory: `state` is what is allocated before a phase (fp32 weights, Adam moments, the reference), `grads` the
 actor's fp32 gradients, `act MiB/tok` the rest of the phase's peak (activations and temporaries) divided by the
-largest micro-batch's tokens (padded code: rows x width).
+largest micro-batch's tokens (padded code: rows x width). With checkpointing the peak can be the optimiser step's
+(its foreach temporaries, about one fp32 copy of the parameters) rather than the activations': then `act MiB/tok`
+is an upper bound.
 """
 import argparse
 import importlib
@@ -86,6 +88,11 @@ def gib(n):
     return n / 2**30
 
 
+def local(t):
+    """This rank's part of a (possibly FSDP2-sharded) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def run_variant(name, args):
     """One variant in this process -> dict of measurements."""
     which, attn, rows, tokens, bare_too = VARIANTS[name]
@@ -136,17 +143,19 @@ def run_variant(name, args):
         return time.perf_counter() - t0
 
     def memory_around(fn, grads=0):
-        """fn's peak over what was allocated before it, less the fp32 gradients (grads bytes) -> per token."""
+        """fn's peak over what was allocated before it, less the fp32 gradients it adds (grads bytes, minus any
+        an earlier update left allocated: the code before this one kept them between steps) -> per token."""
         if not cuda:
             fn()
             return {}
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         at_rest = torch.cuda.memory_allocated()
+        held = sum(local(q.grad).numel() * 4 for q in actor.parameters() if q.grad is not None)
         fn()
         peak = torch.cuda.max_memory_allocated()
         return dict(state_gib=gib(at_rest), grads_gib=gib(grads), peak_gib=gib(peak),
-                    act_per_token_mib=(peak - at_rest - grads) / biggest / 2**20)
+                    act_per_token_mib=(peak - at_rest - max(grads - held, 0)) / biggest / 2**20)
 
     # ---- the log-prob pass
     s = timed(lambda: phases.logprobs(ref, batch))
@@ -155,7 +164,7 @@ def run_variant(name, args):
                  advantages=adv, action_mask=mask)
 
     # ---- the update, without and with activation checkpointing
-    grad_bytes = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in actor.parameters()) * 4
+    grad_bytes = sum(local(q).numel() for q in actor.parameters()) * 4
 
     def update():
         for mini in minis:
