@@ -25,7 +25,7 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
     """One step's metrics: rollout shape, rewards, KL, padding (sums over every rank), the update's
     statistics averaged over its mini-batches, timings."""
     act = batch["action_mask"].bool()                                                           # [B, R]
-    pad_lp = padding_counts(batch, list(torch.arange(len(trajs)).split(args.micro_batch_size)))
+    pad_lp = padding_counts(batch, [torch.arange(len(trajs))])  # what packing computes does not depend on the cut
     pad_up = padding_counts(batch, update_groups)
     gap = 0.0 if old_logprobs is None else float((batch["rollout_logprobs"] - old_logprobs).abs()[act].sum())
     t = all_reduce_dict({

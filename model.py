@@ -178,12 +178,17 @@ def check_attn_implementation(name, device=None):
     return name
 
 
+def _attention(name):
+    """attn_implementation as transformers takes it: ours (varlen) registered first."""
+    if name == packing.VARLEN:
+        packing.register_varlen_attention()
+    return name
+
+
 def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa"):
     from transformers import AutoModelForCausalLM
 
-    if attn_implementation == packing.VARLEN:
-        packing.register_varlen_attention()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attention(attn_implementation))
 
 
 # ----------------------------------------------------------------------------- critic
@@ -222,9 +227,7 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    if attn_implementation == packing.VARLEN:
-        packing.register_varlen_attention()
-    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=_attention(attn_implementation))
     critic = ValueModel(backbone)
     head_file = Path(path) / VALUE_HEAD_FILE
     if head_file.exists():

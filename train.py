@@ -381,8 +381,9 @@ def critic_loss(critic, mb, args):
 
 
 def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocast, device, norm_key="grad_norm"):
-    """Accumulate loss_fn's gradients over the micro-batches `micro` (row-index tensors), then one clipped optimiser step, skipped on every
-    rank when any rank's loss or the gradient norm is not finite -> (stats incl. norm_key, stepped).
+    """Accumulate loss_fn's gradients over the micro-batches `micro` (row-index tensors), then one clipped optimiser
+    step, skipped on every rank when any rank's loss or the gradient norm is not finite -> (stats incl. norm_key,
+    stepped).
 
     Micro-batch weights make the accumulated gradient the mini-batch aggregate over *all* ranks: FSDP
     averages gradients over the W ranks, so under token-mean a micro-batch with m action tokens weighs

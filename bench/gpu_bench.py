@@ -126,8 +126,7 @@ def run_variant(name, args):
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(2))
     minis = [perm[:B // 2], perm[B // 2:]]
     groups = phases.micro(batch, torch.arange(B))
-    biggest = max(int((batch["prompt_mask"][g].sum(1) + batch["response_mask"][g].sum(1)).sum()) if code.packing
-                  else len(g) * width(batch, g) for g in groups)
+    biggest = max(phases.counts(batch, [g])["computed"] for g in groups)  # padded code: rows x width
     res = dict(variant=name, attention=attn, micro=f"{tokens} tokens" if tokens else f"{rows} rows",
                tokens=sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs),
                padding=round(phases.padding(batch, groups), 4), micro_batches=len(groups), micro_tokens_max=biggest)
@@ -197,13 +196,6 @@ def run_variant(name, args):
             res[phase]["peak_share"] = res[phase]["tflops"] / peak if peak else None
     res["device"] = torch.cuda.get_device_name(device) if cuda else "cpu"
     return res
-
-
-def width(batch, rows):
-    """Columns the padded code computes for a micro-batch (its prompts' left padding and responses' right padding
-    shared by every row cut off)."""
-    pm, rm = batch["prompt_mask"][rows], batch["response_mask"][rows]
-    return pm.shape[1] - int(pm.any(0).float().argmax()) + max(int(rm.sum(1).max()), 1)
 
 
 def table(results):

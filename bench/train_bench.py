@@ -10,7 +10,7 @@
   through an earlier commit's code (git archive COMMIT | tar -x -C DIR): before/after on one machine.
 
 The batch is rollout-like (the demo's shape): 24 SmolLM2 trajectories of 80-120 prompt and 64-192 response
-tokens, a third of them with an intervention (12 context tokens, action mask 0) after their first 64-token turn.
+tokens, a third of them with an intervention (12 context tokens, action mask 0) after each 64-token turn.
 
     python bench/train_bench.py                     # dtype auto (system.choose_dtype)
     python bench/train_bench.py --dtype float32 --micro-batch-size 4

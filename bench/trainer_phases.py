@@ -58,8 +58,12 @@ class Phases:
 
     def padding(self, batch, groups):
         """Share of the computed tokens that are padding."""
-        counts = (self.code.packing or self.code.parallel).padding_counts(batch, groups)
+        counts = self.counts(batch, groups)
         return counts["padding"] / max(counts["computed"], 1)
+
+    def counts(self, batch, groups):
+        """{"padding", "computed"} tokens of these micro-batches as this code version lays them out."""
+        return (self.code.packing or self.code.parallel).padding_counts(batch, groups)
 
     def logprobs(self, model, batch):
         M, T = self.code.model, self.targs.temperature
