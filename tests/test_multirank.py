@@ -65,7 +65,10 @@ def uneven_args(model_dir, out):
             "--out", out, "--steps", "2", "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "2",
             "--turn-tokens", "12", "--micro-batch-size", "4", "--mini-batch-size", "8", "--actor-lr", "1e-5",
             "--critic-lr", "1e-5", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
-            "--gpu-memory-utilization", "0.2", "--val-before-train", "--val-freq", "1"]
+            "--gpu-memory-utilization", "0.2", "--val-before-train", "--val-freq", "1",
+            # ~46-token trajectories on rank 0 pack 4 into one micro-batch, ~148-token ones on rank 1 need 4: rank 0
+            # must split to 4 forward/backward calls too, or FSDP hangs
+            "--micro-batch-tokens", "200"]
 
 
 @pytest.mark.timeout(1300)  # two runs of up to 600 s each
