@@ -41,6 +41,11 @@ SYSTEM_PROMPTS = {
     # answer at all); one worked example in the system turn gets it to about 1 in 5, leaving RL room to act.
     "answer-line": "Solve the problem. End your reply with a line 'Answer: <number>'.\n"
                    "Example:\nWhat is 3 + 4?\n3 + 4 = 7.\nAnswer: 7",
+    # The story task's: a worked example with one calculation per event gets the 135M model to write the
+    # calculation before the answer line (bench/reasoning_gap.py measures what that is worth).
+    "worked-steps": "Solve the problem. Write the calculation, then end with a line 'Answer: <number>'.\n"
+                    "Example:\nAnna has 3 coins. Anna buys 4 more. Anna gives 2 away. "
+                    "How many coins does Anna have now?\n3 + 4 = 7.\n7 - 2 = 5.\nAnswer: 5",
 }
 BENCHMARKS = {
     "math500": "data/math500.jsonl",
@@ -56,8 +61,9 @@ TRAIN_SETS = {
     "aime_train": "data/aime_1983_2023_train.jsonl",
 }
 ARITH_SETS = {"arith_train": ("train", 1000), "arith_test": ("test", 100)}  # generated on the fly, seed ARITH_SEED
+STORY_SETS = {"story_train": ("train", 1000), "story_test": ("test", 100)}  # likewise, by make_story
 ARITH_SEED = 42
-BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS)  # every name load_dataset takes besides a path
+BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS, *STORY_SETS)  # every name load_dataset takes besides a path
 ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -271,10 +277,11 @@ def load_dataset(spec, system_prompt=None, limit=None):
     system = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
     problem_system = SYSTEM_PROMPTS["eval"] if system_prompt is None else system
     spec = str(spec)
-    if spec in ARITH_SETS:
-        split, n = ARITH_SETS[spec]
-        rows = ((f"row {i}", r) for i, r in enumerate(make_arith(n, ARITH_SEED, split=split)))
-        records = _load_problems(rows, spec, problem_system, "arith")
+    if spec in ARITH_SETS or spec in STORY_SETS:
+        make, source = (make_arith, "arith") if spec in ARITH_SETS else (make_story, "story")
+        split, n = {**ARITH_SETS, **STORY_SETS}[spec]
+        rows = ((f"row {i}", r) for i, r in enumerate(make(n, ARITH_SEED, split=split)))
+        records = _load_problems(rows, spec, problem_system, source)
     elif spec in BENCHMARKS or spec in TRAIN_SETS:
         path = ROOT / {**BENCHMARKS, **TRAIN_SETS}[spec]
         records = _load_problems(read_rows(path), path, problem_system, spec)
@@ -451,6 +458,40 @@ def make_arith(n, seed=ARITH_SEED, digits=2, ops="+,*", split="train"):
             a, b = b, a
         rows.append({"id": f"arith-{split}-{i:05d}", "problem": f"What is {a} {op} {b}?",
                      "answer": str(ARITH_OPS[op](a, b))})
+    return rows
+
+
+STORY_NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia")
+STORY_ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils")
+
+
+def make_story(n, seed=ARITH_SEED, split="train", events=(1, 2)):
+    """Seeded word problems with intermediate quantities [{id, problem, answer}]: someone holds 2-9 things,
+    then 1 or 2 events change the count (buys 1-9 more; gives away fewer than held; the count doubles, only
+    while at most 20 are held), then the question. Working pays here: SmolLM2-135M with the 'worked-steps'
+    prompt solves ~27 % of one-event and ~4 % of two-event problems when it writes the calculation first,
+    ~1 % when it must answer at once (bench/reasoning_gap.py, data/README.md). Each split has its own stream.
+    """
+    rng = random.Random(f"story-{split}-{seed}")
+    rows = []
+    for i in range(n):
+        name, item, count = rng.choice(STORY_NAMES), rng.choice(STORY_ITEMS), rng.randint(2, 9)
+        text = [f"{name} has {count} {item}."]
+        for _ in range(rng.choice(events)):
+            event = rng.choice(("buy", "give", "double") if count <= 20 else ("buy", "give"))
+            if event == "give" and count < 2:
+                event = "buy"
+            if event == "buy":
+                k = rng.randint(1, 9)
+                count, line = count + k, f"{name} buys {k} more."
+            elif event == "give":
+                k = rng.randint(1, min(count - 1, 9))
+                count, line = count - k, f"{name} gives {k} away."
+            else:
+                count, line = 2 * count, f"Then the number of {item} doubles."
+            text.append(line)
+        text.append(f"How many {item} does {name} have now?")
+        rows.append({"id": f"story-{split}-{i:05d}", "problem": " ".join(text), "answer": str(count)})
     return rows
 
 

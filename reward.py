@@ -484,9 +484,9 @@ def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
 # ---------------------------------------------------------------------------------------------
 # Rewards
 
-_REGISTRY = {"math": (None, False), "gsm8k": (None, False), "arith": (None, False)}  # name -> (fn, batched)
+_REGISTRY = {"math": (None, False), "gsm8k": (None, False), "arith": (None, False), "story": (None, False)}  # name -> (fn, batched)
 # Built-in sources whose answers are plain numbers in prose: the last number counts when nothing is marked.
-LAST_NUMBER_SOURCES = {"gsm8k", "arith"}
+LAST_NUMBER_SOURCES = {"gsm8k", "arith", "story"}
 
 
 def register(name, batched=False):
