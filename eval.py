@@ -356,6 +356,11 @@ def write_outputs(out, names, samples, summary, budgets):
 
 # ----------------------------------------------------------------------------- main
 
+# The two protocols efficient-reasoning papers report: greedy (MuTIS) and sampled mean@k (DeepSeek-R1's eval
+# setting, used by AdaptThink, DLER, LC-R1, ThinkPrune); accuracy averages each problem's samples first.
+PROTOCOLS = {"greedy": {"temperature": 0.0, "top_p": 1.0, "samples_per_prompt": 1},
+             "sampled": {"temperature": 0.6, "top_p": 0.95, "samples_per_prompt": 4}}
+
 def parse_args(argv=None):
     import rollout  # the sampling flags are rollout.py's, shared with train.py
 
@@ -373,7 +378,16 @@ def parse_args(argv=None):
                    action=deprecated("--batch-size", "--engine-batch"))
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
     p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                   help="greedy: one greedy sample per problem (the paper); sampled: temperature 0.6, top-p 0.95, "
+                        "mean accuracy over 4 samples per problem (the efficient-reasoning tables); --temperature, "
+                        "--top-p and --samples-per-prompt given explicitly win")
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = p.parse_args(argv)
+    for key, value in PROTOCOLS.get(args.protocol, {}).items():
+        flag = "--" + key.replace("_", "-")
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            setattr(args, key, value)
     rollout.check_sampling_args(args)
     try:
         args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})

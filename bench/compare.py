@@ -40,6 +40,13 @@ def single_turn(tokens):
     return ["--max-turns", "0", "--turn-tokens", str(tokens), "--max-response-tokens", str(tokens)]
 
 
+def length_penalty(cost):
+    """single_cap with score = acc - C x tokens, C = cost/cap: a full-cap response costs `cost` correct answers."""
+    return (f"single_cap with a per-token reward cost: a full-cap response costs {cost:g} of a correct answer "
+            f"(score = acc - C x tokens, C = {cost:g}/cap)",
+            lambda T, cap: single_turn(cap) + ["--length-coef", f"{cost / cap:.6g}"])
+
+
 # name -> (why, extra train.py args from the per-turn budget T and the MuTIS cap), in training order
 RUNS = {
     "mutis": ("MuTIS as configured: T-token turns, an intervention after each answerless turn",
@@ -48,10 +55,24 @@ RUNS = {
                    lambda T, cap: single_turn(cap)),
     "single_hard": ("no interventions; the per-turn budget is the whole cap, no second chance",
                     lambda T, cap: single_turn(T)),
-    "length_penalty": (f"single_cap with a per-token reward cost: a full-cap response costs {LENGTH_COST} of a "
-                       f"correct answer (score = acc - C x tokens, C = {LENGTH_COST}/cap)",
-                       lambda T, cap: single_turn(cap) + ["--length-coef", f"{LENGTH_COST / cap:.6g}"]),
+    "length_penalty": length_penalty(LENGTH_COST),
 }
+COSTED = re.compile(r"length_penalty_(\d+(?:\.\d+)?)")  # length_penalty_C: the penalty at another cost C
+
+
+def run_spec(name):
+    """A --runs name -> (why, extra): a RUNS entry, or length_penalty_C (a full-cap response costs C); else None."""
+    if name in RUNS:
+        return RUNS[name]
+    m = COSTED.fullmatch(name)
+    return length_penalty(float(m[1])) if m else None
+
+
+def run_order(name):
+    """Sort key: RUNS order, the costed penalties after length_penalty by cost, unknown names last."""
+    m = COSTED.fullmatch(name) or (name == "length_penalty" and [name, LENGTH_COST])
+    return (list(RUNS).index("length_penalty"), float(m[1])) if m else \
+        ((list(RUNS).index(name), 0) if name in RUNS else (len(RUNS), 0))
 
 
 def binomial_se(p, n):
@@ -59,17 +80,23 @@ def binomial_se(p, n):
 
 
 def aggregate(per_seed):
-    """[{metric: value}] over seeds -> mean of each metric (None where no seed has it), acc range, seeds."""
+    """[{metric: value}] over seeds -> mean of each metric (None where no seed has it), acc range, seeds, and the
+    standard errors: acc_se = sqrt(s_seeds^2 / S + p(1-p) / n), the spread of the S seeds' accuracies (training
+    noise) plus the binomial error of n problems (which problems were drawn, shared by every seed); tok_se over
+    seeds (None for one seed)."""
     keys = dict.fromkeys(k for m in per_seed for k in m if k != "seed")
     out = {k: (statistics.fmean(v) if (v := [m[k] for m in per_seed if m.get(k) is not None]) else None)
            for k in keys}
-    accs = [m["acc"] for m in per_seed]
-    out.update(acc_min=min(accs), acc_max=max(accs), seeds=len(per_seed))
+    accs, toks, S = [m["acc"] for m in per_seed], [m["mean_tokens"] for m in per_seed], len(per_seed)
+    seed_var = statistics.variance(accs) / S if S > 1 else 0.0
+    out.update(acc_min=min(accs), acc_max=max(accs), seeds=S,
+               acc_se=math.sqrt(seed_var + binomial_se(out["acc"], out["n"]) ** 2),
+               tok_se=statistics.stdev(toks) / math.sqrt(S) if S > 1 else None)
     return out
 
 
 def table(rows, turn_tokens):
-    """rows: [(name, aggregate)] -> markdown; accuracy in % with its binomial SE on the eval set's size."""
+    """rows: [(name, aggregate)] -> markdown; accuracy in % with its SE over seeds and problems (aggregate)."""
     def f(v, fmt, scale=1):
         return "–" if v is None else format(v * scale, fmt)
     head = ["run", "seeds", "acc %", "± SE", "seed range", f"acc % at {turn_tokens} tok", "mean tok", "median tok",
@@ -77,7 +104,7 @@ def table(rows, turn_tokens):
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in rows:
         spread = f"{100 * m['acc_min']:.1f}–{100 * m['acc_max']:.1f}" if m["seeds"] > 1 else "–"
-        cells = [name, str(m["seeds"]), f(m["acc"], ".1f", 100), f(binomial_se(m["acc"], m["n"]), ".1f", 100), spread,
+        cells = [name, str(m["seeds"]), f(m["acc"], ".1f", 100), f(m["acc_se"], ".1f", 100), spread,
                  f(m.get("acc_at_T"), ".1f", 100), f(m["mean_tokens"], ".0f"), f(m["median_tokens"], ".0f"),
                  f(m.get("at_cap"), ".0f", 100), f(m.get("unfinished"), ".0f", 100), f(m.get("val_acc"), ".1f", 100),
                  f(m.get("val_tokens"), ".0f"), f(m.get("val_turns"), ".2f"), f(m.get("wall_s"), ".1f", 1 / 60)]
@@ -85,9 +112,10 @@ def table(rows, turn_tokens):
     return "\n".join(lines) + "\n"
 
 
-def eval_argv(ta, checkpoints, cap, turn_tokens, eval_turns, limit, out):
-    """eval.py's arguments: every checkpoint on the validation set under one setting, greedy."""
-    argv = [*checkpoints, "--benchmarks", ta.val_data, "--max-response-tokens", str(cap), "--temperature", "0",
+def eval_argv(ta, checkpoints, cap, turn_tokens, eval_turns, limit, out, protocol="greedy"):
+    """eval.py's arguments: every checkpoint on the validation set under one setting and protocol (eval.py's
+    --protocol: greedy, or sampled mean@4 at T = 0.6)."""
+    argv = [*checkpoints, "--benchmarks", ta.val_data, "--max-response-tokens", str(cap), "--protocol", protocol,
             "--budgets", ",".join(str(b) for b in sorted({turn_tokens, 2 * turn_tokens, cap}) if b <= cap),
             "--max-turns", str(eval_turns), "--engine", ta.engine, "--engine-dtype", ta.engine_dtype, "--out", str(out)]
     if eval_turns:
@@ -131,8 +159,7 @@ def finished_runs(out):
         if (d / "compare.json").exists() and (d / "latest").exists():
             rec = json.loads((d / "compare.json").read_text())
             found.append((rec["run"], rec["seed"], d, rec))
-    order = list(RUNS)
-    return sorted(found, key=lambda x: (order.index(x[0]) if x[0] in order else len(order), x[0], x[1]))
+    return sorted(found, key=lambda x: (run_order(x[0]), x[0], x[1]))
 
 
 def parse_train(argv):
@@ -182,7 +209,7 @@ def train_run(name, seed, args, out, launcher):
     d.mkdir(parents=True)
     cmd = [*(shlex.split(launcher) or [sys.executable]), str(ROOT / "train.py"), *args,
            "--seed", str(seed), "--out", str(d)]
-    print(f"[{name} s{seed}] {RUNS[name][0]}; log {d / 'train.log'}", flush=True)
+    print(f"[{name} s{seed}] {run_spec(name)[0]}; log {d / 'train.log'}", flush=True)
     t0 = time.time()
     if code := stream(cmd, d / "train.log", f"{name} s{seed}"):
         sys.exit(f"error: run {name} (seed {seed}) failed ({failure(code, d / 'train.log')}); log: {d / 'train.log'}")
@@ -214,42 +241,80 @@ def plot(found, path):
     write_atomic(path, png.getvalue())
 
 
-def summarize(out, ta, base, cap, T, opts, notes):
-    found = finished_runs(out)
-    if not found:
-        die(f"no finished run in {out} (a run directory holds compare.json once its train.py succeeded)")
+def frontier(tables, path):
+    """Accuracy against mean tokens, one panel per protocol: every run a point with its SE bars, untrained too."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False)
+    for ax, (protocol, rows) in zip(axes[0], tables.items()):
+        for i, (name, m) in enumerate(rows):
+            ax.errorbar(m["mean_tokens"], 100 * m["acc"], yerr=100 * m["acc_se"], xerr=m["tok_se"] or 0, fmt="o",
+                        color="black" if name == "untrained" else f"C{i}", capsize=3, label=name)
+        ax.set(title=f"{protocol}: accuracy % against mean response tokens", xlabel="mean response tokens",
+               ylabel="accuracy % (± SE over seeds and problems)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    write_atomic(path, png.getvalue())
+
+
+def evaluate(out, ta, found, cap, T, opts, protocol):
+    """One eval.py call: the untrained model and every final checkpoint under `protocol` -> (scored(ckpt), argv, s)."""
+    sub = out / ("eval" if protocol == "greedy" else f"eval-{protocol}")
     ckpts = [ta.model] + [str(d / "latest") for _, _, d, _ in found]
-    argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, opts.eval_limit, out / "eval")
-    print(f"[eval] the untrained model and {len(found)} checkpoints on {ta.val_data}; log {out / 'eval.log'}",
-          flush=True)
+    argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, opts.eval_limit, sub, protocol)
+    print(f"[eval] {protocol}: the untrained model and {len(found)} checkpoints on {ta.val_data}; "
+          f"log {sub}.log", flush=True)
     t0 = time.time()
-    if code := stream([sys.executable, str(ROOT / "eval.py"), *argv], out / "eval.log", "eval", show=None):
-        sys.exit(f"error: eval.py failed ({failure(code, out / 'eval.log')}); log: {out / 'eval.log'}")
-    eval_s = time.time() - t0
-    results = json.loads((out / "eval" / "summary.json").read_text())["results"]
-    capped = at_cap(out / "eval" / "samples.jsonl", ta.val_data, cap)
+    if code := stream([sys.executable, str(ROOT / "eval.py"), *argv], Path(f"{sub}.log"), "eval", show=None):
+        sys.exit(f"error: eval.py failed ({failure(code, Path(f'{sub}.log'))}); log: {sub}.log")
+    results = json.loads((sub / "summary.json").read_text())["results"]
+    capped = at_cap(sub / "samples.jsonl", ta.val_data, cap)
 
     def scored(ckpt):
         r = results[ckpt][ta.val_data]
         return {"acc": r["accuracy"], "n": r["n"], "acc_at_T": r.get("budget_accuracy", {}).get(str(T)),
                 "mean_tokens": r["mean_tokens"], "median_tokens": r["median_tokens"], "at_cap": capped[ckpt],
                 "unfinished": r.get("truncated")}
-    per_run = {}
+    return scored, argv, time.time() - t0
+
+
+def summarize(out, ta, base, cap, T, opts, notes):
+    found = finished_runs(out)
+    if not found:
+        die(f"no finished run in {out} (a run directory holds compare.json once its train.py succeeded)")
     for name, seed, d, rec in found:
-        per_run.setdefault(name, []).append({**scored(str(d / "latest")), **last_val(val_rows(d)),
-                                             "wall_s": rec["wall_s"], "seed": seed})
-        if name not in RUNS or rec["args"] != base + RUNS[name][1](T, cap):
+        spec = run_spec(name)
+        if spec is None or rec["args"] != base + spec[1](T, cap):
             notes.append(f"{d.name} was trained with other train.py arguments than these (see its compare.json)")
             print(f"note: {notes[-1]}", flush=True)
-    rows = [("untrained", aggregate([scored(ta.model)]))] + [(k, aggregate(v)) for k, v in per_run.items()]
-    md = table(rows, T)
+    tables, per_protocol, evals, eval_s = {}, {}, {}, 0.0
+    for protocol in opts.protocols:
+        scored, evals[protocol], secs = evaluate(out, ta, found, cap, T, opts, protocol)
+        eval_s += secs
+        per_run = {}
+        for name, seed, d, rec in found:
+            per_run.setdefault(name, []).append({**scored(str(d / "latest")), **last_val(val_rows(d)),
+                                                 "wall_s": rec["wall_s"], "seed": seed})
+        tables[protocol] = [("untrained", aggregate([scored(ta.model)]))] + [(k, aggregate(v))
+                                                                             for k, v in per_run.items()]
+        per_protocol[protocol] = {"untrained": tables[protocol][0][1], "runs": per_run}
     plot(found, out / "curves.png")
+    frontier(tables, out / "frontier.png")
     train_s = sum(rec["wall_s"] for *_, rec in found)
     setting = (f"single turn at {cap} tokens" if not opts.eval_turns else
                f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
-    n = int(rows[0][1]["n"])
+    n = int(tables[opts.protocols[0]][0][1]["n"])
     steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
     every = f"every {ta.val_freq} steps" if ta.val_freq else "before and after"
+    names = list(dict.fromkeys(name for name, *_ in found))
+    results = []
+    for protocol, rows in tables.items():
+        how = "greedy, one sample per problem" if protocol == "greedy" else \
+            "temperature 0.6, top-p 0.95, mean accuracy over 4 samples per problem (mean@4)"
+        results += [f"### {protocol} ({how})", "", table(rows, T)]
     text = "\n".join([
         "# make compare: MuTIS against its baselines", "",
         f"Command: `{' '.join(sys.argv)}`  ", f"Finished {time.strftime('%Y-%m-%d %H:%M')} on {machine()}.", "",
@@ -262,23 +327,26 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"- Validation while training (val columns, curves.png): greedy, each run in its own rollout setting, on "
         f"{'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, {every}; "
         f"the columns show the last one.",
-        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call, greedy, {setting}, on {n} "
+        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call per protocol, {setting}, on {n} "
         f"problems of `{ta.val_data}`; acc at {T} tok re-scores the same generations cut at {T} tokens; at cap: "
         f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
-        f"before any answer; SE = sqrt(p(1-p)/{n}).",
+        f"before any answer; SE = sqrt(s_seeds^2/S + p(1-p)/{n}) (the seeds' spread and the problems' binomial "
+        f"error); frontier.png plots accuracy against mean tokens with these bars.",
         "", "| run | why | extra train.py arguments |", "|---|---|---|",
-        *[f"| {k} | {RUNS[k][0]} | `{' '.join(RUNS[k][1](T, cap)) or '(none)'}` |" for k in RUNS],
-        "", "## Results", "", md,
+        *[f"| {k} | {run_spec(k)[0]} | `{' '.join(run_spec(k)[1](T, cap)) or '(none)'}` |"
+          for k in names if run_spec(k)],
+        "", "## Results", "", *results,
         f"Wall time: training {train_s / 60:.1f} min over {len(found)} runs, eval.py {eval_s / 60:.1f} min. "
-        f"Outputs: eval/ (eval.py: summary.md, samples.jsonl, budget.png), curves.png, <run>-s<seed>/.",
+        f"Outputs: eval/ and eval-sampled/ (eval.py: summary.md, samples.jsonl, budget.png), frontier.png, "
+        f"curves.png, <run>-s<seed>/.",
         *[f"\nNote: {x}" for x in notes], ""])
     write_atomic(out / "summary.md", text)
     write_atomic(out / "summary.json", json.dumps({"settings": {"cap": cap, "turn_tokens": T, "train_args": base,
-                                                                "eval_args": argv, "eval_s": round(eval_s, 1)},
-                                                   "untrained": rows[0][1], "runs": per_run, "notes": notes},
-                                                  indent=2) + "\n")
-    print(f"\nwrote {out / 'summary.md'}, summary.json, curves.png; eval.py outputs in {out / 'eval'}\n")
-    print(md, end="")
+                                                                "eval_args": evals, "eval_s": round(eval_s, 1)},
+                                                   **per_protocol[opts.protocols[0]], "protocols": per_protocol,
+                                                   "notes": notes}, indent=2) + "\n")
+    print(f"\nwrote {out / 'summary.md'}, summary.json, frontier.png, curves.png; eval.py outputs in {out}/eval*\n")
+    print("\n".join(results), end="")
 
 
 def machine():
@@ -295,20 +363,26 @@ def parse_args(argv):
     """compare.py's own flags before `--`, train.py's after it."""
     cut = argv.index("--") if "--" in argv else len(argv)
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default=" ".join(RUNS), help=f"runs to train, space/comma-separated: {', '.join(RUNS)}")
+    p.add_argument("--runs", default=" ".join(RUNS), help=f"runs to train, space/comma-separated: {', '.join(RUNS)}, "
+                                                         "or length_penalty_C (a full-cap response costs C)")
     p.add_argument("--seeds", default="0", help="seeds, space- or comma-separated: every run once per seed")
     p.add_argument("--out", default="runs/compare", help="output directory")
     p.add_argument("--launcher", default="", help="what runs train.py, e.g. 'torchrun --nproc_per_node 8' "
                                                   "(default: this python)")
     p.add_argument("--eval-turns", type=int, default=0, help="eval.py --max-turns (0: single turn, the paper's eval)")
     p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
+    p.add_argument("--protocols", default="greedy,sampled",
+                   help="eval.py --protocol of the final evaluations, comma-separated: greedy, sampled")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--train-only", action="store_true", help="train the runs, no eval.py and no summary")
     mode.add_argument("--summarize", action="store_true", help="no training: eval.py and the summary over OUT")
     opts = p.parse_args(argv[:cut])
     opts.runs, opts.seeds = opts.runs.replace(",", " ").split(), opts.seeds.replace(",", " ").split()
-    if unknown := [r for r in opts.runs if r not in RUNS]:
-        die(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(RUNS)})")
+    if unknown := [r for r in opts.runs if run_spec(r) is None]:
+        die(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(RUNS)}, length_penalty_C)")
+    opts.protocols = list(dict.fromkeys(x for x in opts.protocols.replace(",", " ").split()))
+    if not opts.protocols or (bad := [x for x in opts.protocols if x not in ("greedy", "sampled")]):
+        die(f"--protocols: expected greedy and/or sampled, got {opts.protocols.__str__() if not opts.protocols else bad[0]}")
     if not all(s.isdigit() for s in opts.seeds) or not opts.seeds:
         die(f"--seeds: expected non-negative integers, got {' '.join(opts.seeds) or 'none'}")
     return opts, argv[cut + 1:]
@@ -328,7 +402,7 @@ def main(argv=None):
     cap = rollout.sample_kwargs(ta, ids)["max_response_tokens"]  # the longest MuTIS response
     out, notes, plan = Path(opts.out), [], []
     for name in opts.runs:
-        extra = RUNS[name][1](T, cap)
+        extra = run_spec(name)[1](T, cap)
         _, err = parse_train(base + extra)
         if err:
             die(f"run {name}: train.py arguments: {err}")

@@ -50,6 +50,19 @@ def test_runs_parse_with_train_py_and_set_their_budget():
         {(1, 12, 4, 6, "arith_train")}
 
 
+def test_length_penalty_at_other_costs():
+    T, cap = 64, 264
+    for name, cost in (("length_penalty", 0.5), ("length_penalty_0.1", 0.1), ("length_penalty_2", 2.0)):
+        why, extra = compare.run_spec(name)
+        a = train.parse_args(BASE + extra(T, cap))
+        assert (a.max_turns, a.max_response_tokens) == (0, cap) and a.length_coef * cap == pytest.approx(cost, rel=1e-5)
+        assert f"costs {cost:g} of a correct answer" in why
+    assert compare.run_spec("length_penalty_x") is None and compare.run_spec("nope") is None
+    names = ["length_penalty_2", "mutis", "length_penalty_0.1", "single_cap", "length_penalty"]
+    assert sorted(names, key=compare.run_order) == ["mutis", "single_cap", "length_penalty_0.1", "length_penalty",
+                                                    "length_penalty_2"]
+
+
 def test_parse_train_returns_the_error_line_instead_of_exiting():
     args, err = compare.parse_train(BASE)
     assert err is None and args.turn_tokens == 64
@@ -70,6 +83,10 @@ def test_aggregate_means_over_seeds_and_keeps_the_range():
     assert (a["acc_min"], a["acc_max"], a["seeds"], a["n"]) == (0.5, 0.7, 2, 100)
     assert a["truncated"] is None and a["val_acc"] == pytest.approx(0.4)   # only the seeds that have it
     assert "seed" not in a
+    assert a["acc_se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.6 * 0.4 / 100))
+    assert a["tok_se"] == pytest.approx(math.sqrt(50) / math.sqrt(2))       # stdev of 10 and 20 over sqrt(2)
+    one = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "mean_tokens": 10}])
+    assert one["acc_se"] == pytest.approx(0.05) and one["tok_se"] is None  # one seed: the problems' error only
 
 
 def _cells(md, row):
@@ -91,7 +108,10 @@ def test_table_cells():
                        "acc % at 64 tok": "80.0", "mean tok": "17", "median tok": "15", "at cap %": "0",
                        "unfinished %": "2",
                        "val acc % (own)": "80.0", "val tok (own)": "17", "val turns (own)": "1.00", "train min": "6.5"}
-    assert rows[1]["acc %"] == "60.0" and rows[1]["± SE"] == f"{100 * math.sqrt(0.6 * 0.4 / 100):.1f}" == "4.9"
+    # two seeds: the seeds' variance over 2 plus the binomial variance of 100 problems
+    seeds_var = ((0.5 - 0.6) ** 2 + (0.7 - 0.6) ** 2) / (2 - 1) / 2
+    assert rows[1]["acc %"] == "60.0" and rows[1]["± SE"] == f"{100 * math.sqrt(seeds_var + 0.6 * 0.4 / 100):.1f}" \
+        == "11.1"
     assert rows[1]["seed range"] == "50.0–70.0" and rows[1]["at cap %"] == "30" and rows[1]["unfinished %"] == "–"
     assert rows[1]["val acc % (own)"] == rows[1]["train min"] == rows[1]["acc % at 64 tok"] == "–"
 
@@ -106,6 +126,8 @@ def test_eval_argv_parses_with_eval_py():
     e = eval_lib.parse_args(compare.eval_argv(ta, ["smollm2"], 264, 64, 2, 20, "o"))
     assert (e.max_turns, e.turn_tokens, e.intervention_text, e.turn_rule, e.limit) == \
         (2, 64, "reference", "reference", 20)
+    e = eval_lib.parse_args(compare.eval_argv(ta, ["smollm2"], 264, 64, 0, None, "o", "sampled"))
+    assert (e.protocol, e.temperature, e.top_p, e.samples_per_prompt) == ("sampled", 0.6, 0.95, 4)
 
 
 def test_parse_args_splits_at_the_double_dash():
@@ -113,9 +135,13 @@ def test_parse_args_splits_at_the_double_dash():
     assert (opts.runs, opts.seeds, base) == (["mutis", "single_cap"], ["0", "1"], ["--steps", "3"])
     opts, base = compare.parse_args([])
     assert opts.runs == list(compare.RUNS) and opts.seeds == ["0"] and base == []
+    assert opts.protocols == ["greedy", "sampled"]
+    opts, _ = compare.parse_args(["--runs", "mutis length_penalty_0.2", "--protocols", "sampled"])
+    assert opts.runs == ["mutis", "length_penalty_0.2"] and opts.protocols == ["sampled"]
 
 
 @pytest.mark.parametrize("argv, message", [(["--runs", "mutis,nope"], "nope"), (["--seeds", "a"], "--seeds"),
+                                           (["--protocols", "greedy,beam"], "beam"),
                                            (["--train-only", "--summarize"], "not allowed")])
 def test_bad_flags_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
