@@ -185,10 +185,17 @@ def _attention(name):
     return name
 
 
-def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa"):
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa", meta=False):
+    """The causal LM at `path`; meta=True builds it from its config on the meta device, reading no weights
+    (parallel.load_sharded then fills each rank's shard)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attention(attn_implementation))
+    attn = _attention(attn_implementation)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                    attn_implementation=attn)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
 
 
 # ----------------------------------------------------------------------------- critic
@@ -222,12 +229,18 @@ class ValueModel(nn.Module):
         return packing.unpack(self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True), mb)  # [b, r]
 
 
-def load_critic(path, dtype=torch.float32, attn_implementation="sdpa"):
-    """Critic = the backbone of `path` + a value head; `path` is a causal LM or a save_critic directory."""
+def load_critic(path, dtype=torch.float32, attn_implementation="sdpa", meta=False):
+    """Critic = the backbone of `path` + a value head; `path` is a causal LM or a save_critic directory.
+    meta=True: built on the meta device, nothing read (see load_causal_lm)."""
     from safetensors.torch import load_file
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
 
-    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=_attention(attn_implementation))
+    attn = _attention(attn_implementation)
+    if meta:
+        with torch.device("meta"):
+            return ValueModel(AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                    attn_implementation=attn))
+    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     critic = ValueModel(backbone)
     head_file = Path(path) / VALUE_HEAD_FILE
     if head_file.exists():

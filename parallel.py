@@ -7,6 +7,7 @@ run on one rank or many. Every function that gathers or reduces is a collective:
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -78,6 +79,112 @@ def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, 
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+# ----------------------------------------------------------------------------- loading each rank's shard
+
+def load_sharded(build, path, device, **shard_kwargs):
+    """shard(build(meta)) with the weights of `path`, without any rank ever holding the whole model: the model is
+    built on the meta device, sharded, allocated shard by shard on `device` (CPU with --offload), and each rank
+    reads only its own rows of each tensor from the safetensors files (one tensor at a time; no communication,
+    and the node's page cache serves all ranks). build(meta) -> the model (model.load_causal_lm/load_critic).
+    A path without local safetensors files (a hub id, .bin weights) is loaded whole and then sharded."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return shard(build(False).to(device), **shard_kwargs)
+    model = shard(build(True), **shard_kwargs)
+    model.to_empty(device="cpu" if shard_kwargs.get("offload") else device)
+    for module in model.modules():  # buffers stay where the compute runs, as in the path above
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    _rebuild_buffers(model)
+    _fill_shards(model, path, files)
+    return model
+
+
+def _rebuild_buffers(model):
+    """to_empty leaves buffers uninitialised; the persistent ones are read from the files, the others (rotary
+    frequencies) are recomputed by transformers' own initialiser for them."""
+    hf = model.backbone if isinstance(model, ValueModel) else model
+    for mod_name, module in hf.named_modules():
+        for name in module._non_persistent_buffers_set:
+            if "RotaryEmbedding" not in type(module).__name__:
+                raise ValueError(f"cannot rebuild buffer {mod_name}.{name} ({type(module).__name__}) of a model built "
+                                 "on the meta device")
+        if module._non_persistent_buffers_set:
+            with torch.no_grad():
+                hf._init_weights(module)
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def safetensors_index(files):
+    """{tensor name: (file, dtype, shape, byte offset)} from the headers of safetensors files (8-byte header length,
+    JSON header, data); value_head.safetensors' tensors are named value_head.*."""
+    index = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for key, v in header.items():
+            if key != "__metadata__":
+                name = f"value_head.{key}" if f.name == VALUE_HEAD_FILE else key
+                index[name] = (f, SAFETENSORS_DTYPES[v["dtype"]], v["shape"], 8 + size + v["data_offsets"][0])
+    return index
+
+
+def read_rows(entry, start, out):
+    """Rows [start, start + len(out)) of a stored tensor into `out` (any dtype and device) with one plain read: no
+    memory map, so the process never holds more of the file than these rows (in host memory, once)."""
+    f, dtype, shape, offset = entry
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+    buf = out if direct else torch.empty(out.shape, dtype=dtype)
+    raw = buf.reshape(-1).view(torch.uint8).numpy()  # [rows * row_bytes]
+    with open(f, "rb") as fh:
+        fh.seek(offset + start * row_bytes)
+        if fh.readinto(raw) != raw.nbytes:
+            raise ValueError(f"{f}: truncated safetensors file")
+    if not direct:
+        out.copy_(buf)
+
+
+def _fill_shards(model, path, files):
+    """Copy this rank's rows of every parameter and persistent buffer from the safetensors files of `path`
+    (a causal LM, or a save_critic directory with value_head.safetensors). FSDP2 shards dim 0 as torch.chunk
+    does: rank r holds rows [r * ceil(n / world), ...) of an n-row tensor. A critic's missing head starts at 0."""
+    from torch.distributed.tensor import DTensor
+
+    index = safetensors_index(files)
+    prefix = getattr(model.backbone, "base_model_prefix", "model") if isinstance(model, ValueModel) else None
+    persistent = [(f"{m}.{b}".lstrip("."), buf) for m, mod in model.named_modules()
+                  for b, buf in mod._buffers.items() if buf is not None and b not in mod._non_persistent_buffers_set]
+    for name, tensor in [*model.named_parameters(), *persistent]:
+        keys = [name]
+        if prefix and name.startswith("backbone."):  # a causal LM's file names the backbone "model."
+            keys = [name[len("backbone."):], f"{prefix}.{name[len('backbone.'):]}"]
+        key = next((k for k in keys if k in index), None)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        with torch.no_grad():
+            if key is None and name.startswith("value_head."):
+                local.zero_()  # ValueModel's head starts at exactly 0
+                continue
+            if key is None:
+                raise ValueError(f"{path}: its safetensors files hold no tensor {keys[-1]!r}")
+            full, start = index[key][2], 0
+            if list(full[1:]) != list(local.shape[1:]) or (local.dim() == 0) != (len(full) == 0):
+                raise ValueError(f"{path}: {key} has shape {full}, the model's {name} {list(tensor.shape)}")
+            if isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1:
+                chunk = -(-full[0] // tensor.device_mesh.size())
+                start = tensor.device_mesh.get_local_rank() * chunk
+                if local.shape[0] != max(0, min(chunk, full[0] - start)):
+                    raise AssertionError(f"{name}: a local shard of {local.shape[0]} rows is not torch.chunk's")
+            if local.numel():
+                read_rows(index[key], start, local)
 
 
 def all_reduce_sum(values_list, device):

@@ -21,6 +21,7 @@ the sums running over every rank's action tokens of a mini-batch (token-mean; ac
 With gae and rloo the KL to the reference is a per-token reward instead: r_t = score [t = last] - beta KL_t.
 """
 import argparse
+import functools
 import json
 import math
 import random
@@ -47,7 +48,7 @@ from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, l
 from logs import format_line, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
 from parallel import (all_reduce_dict, all_reduce_sum, check_shared_out, full_state_dict, init_distributed,
-                      load_checkpoint, save_checkpoint, shard)
+                      load_checkpoint, load_sharded, save_checkpoint)
 from system import choose_dtype, keep_freed_memory, quiet_logs
 
 
@@ -518,9 +519,9 @@ def load_models(args, run):
     mp = torch.bfloat16 if (args.dtype == "bfloat16" and run.device.type == "cuda") else None
     kw = dict(mixed_precision=mp, offload=args.offload)
     attn = args.attn_implementation
-    run.actor = shard(load_causal_lm(run.model_path, attn_implementation=attn).to(run.device), **kw,
-                      grad_checkpointing=args.grad_checkpointing)
-    run.ref = shard(load_causal_lm(run.model_path, attn_implementation=attn).to(run.device), **kw)
+    causal_lm = functools.partial(load_causal_lm, run.model_path, attn_implementation=attn)  # (meta) -> model
+    run.actor = load_sharded(causal_lm, run.model_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
+    run.ref = load_sharded(causal_lm, run.model_path, run.device, **kw)
     run.ref.requires_grad_(False)
     run.actor_opt = make_optimizer(run.actor, args.actor_lr, args.weight_decay)
     run.schedulers = [torch.optim.lr_scheduler.LambdaLR(run.actor_opt,
@@ -528,8 +529,8 @@ def load_models(args, run):
     run.critic = run.critic_opt = None
     if args.adv == "gae":
         critic_path = resolve_model(args.critic_model or args.model)
-        run.critic = shard(load_critic(critic_path, attn_implementation=attn).to(run.device), **kw,
-                           grad_checkpointing=args.grad_checkpointing)
+        critic = functools.partial(load_critic, critic_path, attn_implementation=attn)
+        run.critic = load_sharded(critic, critic_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
         run.critic_opt = make_optimizer(run.critic, args.critic_lr, args.weight_decay)
         run.schedulers.append(torch.optim.lr_scheduler.LambdaLR(run.critic_opt,
                                                                 lr_lambda(run.total_steps, args.critic_warmup_ratio)))

@@ -209,6 +209,32 @@ def test_check_model_decides_without_downloading(tmp_path, monkeypatch, capsys):
         assert err.startswith(f"error: --critic-model {bad}: not a Hugging Face model directory"), err
 
 
+@pytest.fixture(scope="module")
+def mid_model_dir(tmp_path_factory):
+    """A random 4-layer Llama of 453 MB in fp32 (hidden 1024): weights well above the process's own noise."""
+    return M.make_tiny(tmp_path_factory.mktemp("mid") / "model", hidden=1024, layers=4, heads=8, kv_heads=4,
+                       intermediate=4096)
+
+
+def test_two_ranks_load_only_their_shard(mid_model_dir, tiny_model_dir, tmp_path, torchrun, two_rank_env):
+    """train.py's loading (parallel.load_sharded) on 2 ranks: each rank's peak stays near its half of the weights
+    (whole-then-shard, measured the same way, needs the full model), and the weights are the file's. A critic
+    loads the same way, from a save_critic directory (its head) and from a causal LM (a zero head)."""
+    full = sum(p.stat().st_size for p in Path(mid_model_dir).glob("*.safetensors"))
+    critic = M.load_critic(tiny_model_dir)
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    parallel.save_critic(critic, tmp_path / "critic")
+    peaks = {}
+    for mode, extra in (("sharded", [tmp_path / "critic"]), ("whole", [])):
+        proc = torchrun("tests/_load_worker.py", mid_model_dir, tmp_path / f"{mode}.json", mode, *extra,
+                        env=two_rank_env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        peaks[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    assert all(p >= full for p in peaks["whole"]), (peaks, full)  # the measurement sees a whole model
+    assert all(p < 0.6 * full for p in peaks["sharded"]), (peaks, full)  # half of it, plus at most 10 %
+
+
 def test_fsdp2_two_ranks_match_plain_pytorch(tiny_model_dir, tmp_path, torchrun, two_rank_env):
     proc = torchrun("tests/_fsdp_worker.py", tiny_model_dir, tmp_path, env=two_rank_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
