@@ -84,15 +84,15 @@ def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, 
 # ----------------------------------------------------------------------------- loading each rank's shard
 
 def load_sharded(build, path, device, **shard_kwargs):
-    """shard(build(meta)) with the weights of `path`, without any rank ever holding the whole model: the model is
+    """shard(build(meta=...)) with the weights of `path`, without any rank ever holding the whole model: the model is
     built on the meta device, sharded, allocated shard by shard on `device` (CPU with --offload), and each rank
     reads only its own rows of each tensor from the safetensors files (one tensor at a time; no communication,
-    and the node's page cache serves all ranks). build(meta) -> the model (model.load_causal_lm/load_critic).
+    and the node's page cache serves all ranks). build(meta=...) -> the model (model.load_causal_lm/load_critic).
     A path without local safetensors files (a hub id, .bin weights) is loaded whole and then sharded."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        return shard(build(False).to(device), **shard_kwargs)
-    model = shard(build(True), **shard_kwargs)
+        return shard(build(meta=False).to(device), **shard_kwargs)
+    model = shard(build(meta=True), **shard_kwargs)
     model.to_empty(device="cpu" if shard_kwargs.get("offload") else device)
     for module in model.modules():  # buffers stay where the compute runs, as in the path above
         for name, buf in module._buffers.items():

@@ -7,6 +7,7 @@ On CPU the peak is the kernel's own (VmHWM, reset through /proc/self/clear_refs 
 resident memory at that moment; on a GPU, torch's peak allocation. Rank 0 checks that the gathered weights equal
 the file's, and with CRITIC (a save_critic directory) that a critic loaded shard by shard, from CRITIC and from
 MODEL (head at zero), equals model.load_critic's. Writes [bytes per rank] to OUT."""
+import functools
 import json
 import re
 import sys
@@ -27,8 +28,8 @@ def status_kib(field):
 def main():
     path, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     rank, world, _, device = parallel.init_distributed()
-    build = lambda meta: M.load_causal_lm(path, meta=meta)  # noqa: E731
-    build(True)  # imports transformers' modelling code (~200 MB) before the baseline: only weights count
+    build = functools.partial(M.load_causal_lm, path)  # as train.py passes it: build(meta=...)
+    build(meta=True)  # imports transformers' modelling code (~200 MB) before the baseline: only weights count
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -39,14 +40,14 @@ def main():
     if mode == "sharded":
         model = parallel.load_sharded(build, path, device)
     else:
-        model = parallel.shard(build(False).to(device))
+        model = parallel.shard(build(meta=False).to(device))
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else status_kib("VmHWM") * 1024) - base
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     full = dict(parallel.full_state_dict(model))  # a collective
     critics = {}
     for source in sys.argv[4:5] + sys.argv[1:2] if len(sys.argv) > 4 else ():
-        critic = parallel.load_sharded(lambda meta: M.load_critic(source, meta=meta), source, device)
+        critic = parallel.load_sharded(functools.partial(M.load_critic, source), source, device)
         critics[source] = dict(parallel.full_state_dict(critic))
     if rank == 0:
         ref = M.load_causal_lm(path).state_dict()
