@@ -6,7 +6,8 @@
 
 CKPT is the `smollm2` alias, a Hugging Face directory, or a training checkpoint directory
 (with an `actor/` subfolder). Generation goes through rollout.py (vLLM, or `--engine hf`),
-single-turn greedy by default as in the paper; `--max-turns K` evaluates with interventions.
+single-turn greedy by default as in the paper; `--max-turns K` evaluates with interventions;
+`--protocol sampled` as the efficient-reasoning tables do (temperature 0.6, top-p 0.95, mean@4).
 Scoring goes through reward.py. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md
 and, with --budgets, DIR/budget.png.
 

@@ -225,6 +225,42 @@ def test_arith(tmp_path):
     check_arith([{"problem": b["problem"], "answer": b["ground_truth"]} for b in bundled], 2, "+*")
 
 
+def replay_story(problem):
+    """An independent reading of a story problem -> (events, the count at the end)."""
+    import re
+
+    sentences = problem.split(". ")
+    count = int(re.fullmatch(r"(\w+) has (\d+) (\w+)", sentences[0])[2])
+    for s in sentences[1:-1]:
+        if m := re.fullmatch(r"\w+ buys (\d+) more", s):
+            count += int(m[1])
+            assert 1 <= int(m[1]) <= 9
+        elif m := re.fullmatch(r"\w+ gives (\d+) away", s):
+            assert 1 <= int(m[1]) < count
+            count -= int(m[1])
+        else:
+            assert re.fullmatch(r"Then the number of \w+ doubles", s) and count <= 20, s
+            count *= 2
+    assert sentences[-1].startswith("How many ")
+    return len(sentences) - 2, count
+
+
+def test_story():
+    s = data.make_story(400, seed=3)
+    assert s == data.make_story(400, seed=3)
+    assert s != data.make_story(400, seed=4) and s != data.make_story(400, seed=3, split="test")
+    replayed = [replay_story(r["problem"]) for r in s]
+    assert [str(count) for _, count in replayed] == [r["answer"] for r in s]
+    assert {events for events, _ in replayed} == {1, 2}
+    text = " ".join(r["problem"] for r in s)
+    assert all(w in text for w in ("buys", "gives", "doubles"))  # every event kind occurs
+    bundled = data.load_dataset("story_test", "worked-steps")
+    assert [b["problem"] for b in bundled] == [r["problem"] for r in data.make_story(100, split="test")]
+    assert {b["data_source"] for b in bundled} == {"story"}
+    assert bundled[0]["messages"][0] == system(data.SYSTEM_PROMPTS["worked-steps"])
+    assert [b["ground_truth"] for b in bundled] == [str(replay_story(b["problem"])[1]) for b in bundled]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def ref_table(**over):
@@ -365,12 +401,13 @@ def test_prompt_ids_token_exact(smollm2_dir, option):
 
 def test_bundled_sets():
     want = {"math500": 500, "aime24": 30, "amc23": 40, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319,
-            "gsm8k_train": 2000, "math_train": 7469, "aime_train": 969, "arith_train": 1000, "arith_test": 100}
-    assert set(want) == {*data.BENCHMARKS, *data.TRAIN_SETS, *data.ARITH_SETS}
+            "gsm8k_train": 2000, "math_train": 7469, "aime_train": 969, "arith_train": 1000, "arith_test": 100,
+            "story_train": 1000, "story_test": 100}
+    assert set(want) == set(data.BUNDLED)
     for name, n in want.items():
         recs = data.load_dataset(name)
         assert len(recs) == n
-        assert {r["data_source"] for r in recs} == {"arith" if name.startswith("arith") else name}
+        assert {r["data_source"] for r in recs} == {name.split("_")[0] if name[:5] in ("arith", "story") else name}
         assert len({r["id"] for r in recs}) == n
         assert all(r["messages"] == [system(EVAL), user(r["problem"])] for r in recs)
         assert all(isinstance(r["ground_truth"], str) and r["ground_truth"] for r in recs)

@@ -90,6 +90,17 @@ def test_score_parquet_n_samples_pass_at_k(tmp_path):
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 12
 
 
+def test_protocols_set_sampling_and_explicit_flags_win():
+    import eval as eval_lib
+
+    parse = lambda *a: eval_lib.parse_args(["smollm2", *a])  # noqa: E731
+    got = lambda a: (a.temperature, a.top_p, a.samples_per_prompt)  # noqa: E731
+    assert got(parse()) == got(parse("--protocol", "greedy")) == (0.0, 1.0, 1)  # the paper's eval is the default
+    assert got(parse("--protocol", "sampled")) == (0.6, 0.95, 4)
+    assert got(parse("--protocol", "sampled", "--samples-per-prompt", "16", "--top-p=1")) == (0.6, 1.0, 16)
+    assert got(parse("--temperature", "0.6", "--protocol", "greedy")) == (0.6, 1.0, 1)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.slow  # an eval.py start each

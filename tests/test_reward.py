@@ -374,7 +374,9 @@ def test_registry_and_fallbacks():
         assert score("gsm8k_test", gsm, "18")["score"] == 1.0  # last-number fallback
         assert score("openai/gsm8k", gsm, "18")["score"] == 1.0
         assert score("math500", gsm, "18")["score"] == 0.0
-        assert score("arith", "So 6 * 3 = 18.", "18")["score"] == 1.0  # synthetic set: same fallback
+        assert score("arith", "So 6 * 3 = 18.", "18")["score"] == 1.0  # synthetic sets: same fallback
+        assert score("story", "5 + 4 = 9. Tom has 9 apples now.", "9")["score"] == 1.0
+        assert reward.score_batch("story", ["Tom has 9 apples now."], ["9"], last_number=False)[0]["score"] == 0.0
         assert [o["score"] for o in reward.score_batch(["arith", "arith"], ["6 * 3 = 18.", "6 * 3 = 19."],
                                                        ["18", "18"])] == [1.0, 0.0]
         assert score("never_registered", r"\boxed{18}", "18")["score"] == 1.0
