@@ -1,5 +1,5 @@
-"""Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, sharded checkpoints
-and the Hugging Face export (micro-batches: packing.py).
+"""Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, loading each rank's
+shard, sharded checkpoints and the Hugging Face export (micro-batches: packing.py).
 
 Plumbing only: the method lives in rollout.py (sampling), reward.py, ppo.py and train.py; this file makes it
 run on one rank or many. Every function that gathers or reduces is a collective: every rank calls it.
