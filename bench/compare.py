@@ -2,17 +2,19 @@
 
 Every run starts from the same model and trains on the same data with the same seed, steps and rollouts per
 step (the train.py arguments after `--`; `make compare` passes the demo's); only the rollout shape and the
-reward differ (RUNS below). Each run validates in its own rollout setting while it trains (curves.png), then
-one eval.py call scores the untrained model and every final checkpoint on the validation set, greedy, single
-turn, at the token cap a MuTIS trajectory could reach (--eval-turns K: with K interventions instead).
+reward differ (RUNS below; length_penalty_C prices a full-cap response at C correct answers). Each run validates
+in its own rollout setting while it trains (curves.png), then one eval.py call per protocol (greedy; sampled:
+T 0.6, mean@4) scores the untrained model and every final checkpoint on the validation set, single turn, at the
+token cap a MuTIS trajectory could reach (--eval-turns K: with K interventions instead).
 
     python bench/compare.py -- --data arith_train --val-data arith_test --steps 12 ...   # train all, summarize
     python bench/compare.py --runs mutis,single_cap --seeds 0,1 --train-only -- ...      # one machine's share
-    python bench/compare.py --summarize -- ...       # eval.py + table over every finished run in --out
+    python bench/compare.py --summarize -- ...       # eval.py + tables over every finished run in --out
     python bench/compare.py --launcher "torchrun --nproc_per_node 8" -- --model /path/to/hf_model ...
 
-Writes OUT/<run>-s<seed>/ (train.py's --out, plus train.log and compare.json once it succeeded), OUT/eval/
-(eval.py's outputs), OUT/summary.md, OUT/summary.json and OUT/curves.png.
+Writes OUT/<run>-s<seed>/ (train.py's --out, plus train.log and compare.json once it succeeded), OUT/eval/ and
+OUT/eval-sampled/ (eval.py's outputs, reused by a later --summarize with the same arguments), OUT/summary.md,
+OUT/summary.json, OUT/frontier.png (accuracy against mean tokens with SE bars) and OUT/curves.png.
 """
 import contextlib
 import io
@@ -261,15 +263,21 @@ def frontier(tables, path):
 
 
 def evaluate(out, ta, found, cap, T, opts, protocol):
-    """One eval.py call: the untrained model and every final checkpoint under `protocol` -> (scored(ckpt), argv, s)."""
+    """One eval.py call: the untrained model and every final checkpoint under `protocol` -> (scored(ckpt), argv, s).
+    An eval directory written by the same arguments is reused (--summarize after adding a protocol)."""
     sub = out / ("eval" if protocol == "greedy" else f"eval-{protocol}")
     ckpts = [ta.model] + [str(d / "latest") for _, _, d, _ in found]
     argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, opts.eval_limit, sub, protocol)
-    print(f"[eval] {protocol}: the untrained model and {len(found)} checkpoints on {ta.val_data}; "
-          f"log {sub}.log", flush=True)
-    t0 = time.time()
-    if code := stream([sys.executable, str(ROOT / "eval.py"), *argv], Path(f"{sub}.log"), "eval", show=None):
-        sys.exit(f"error: eval.py failed ({failure(code, Path(f'{sub}.log'))}); log: {sub}.log")
+    t0, done = time.time(), sub / "compare_argv.json"  # the eval.py arguments that wrote sub/, once it succeeded
+    if done.exists() and json.loads(done.read_text()) == argv and (sub / "summary.json").exists():
+        print(f"[eval] {protocol}: {sub} already holds these checkpoints under the same arguments", flush=True)
+    else:
+        print(f"[eval] {protocol}: the untrained model and {len(found)} checkpoints on {ta.val_data}; "
+              f"log {sub}.log", flush=True)
+        done.unlink(missing_ok=True)
+        if code := stream([sys.executable, str(ROOT / "eval.py"), *argv], Path(f"{sub}.log"), "eval", show=None):
+            sys.exit(f"error: eval.py failed ({failure(code, Path(f'{sub}.log'))}); log: {sub}.log")
+        write_atomic(done, json.dumps(argv) + "\n")
     results = json.loads((sub / "summary.json").read_text())["results"]
     capped = at_cap(sub / "samples.jsonl", ta.val_data, cap)
 

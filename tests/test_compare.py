@@ -203,3 +203,31 @@ def test_a_killed_run_is_named_by_its_signal(tmp_path):
     assert compare.failure(-signal.SIGTERM, log) == "killed by SIGTERM"
     log.write_text("step 1 ...\nerror: --data x: no such file\n")
     assert compare.failure(2, log) == "--data x: no such file"
+
+
+def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypatch):
+    """--summarize after adding a protocol runs eval.py only where its arguments changed (or it never finished)."""
+    calls = []
+
+    def fake_eval(cmd, log, label, show=None):  # what eval.py writes, for the checkpoints on its command line
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        ckpts = [c for c in cmd[2:cmd.index("--benchmarks")]]
+        res = {c: {"arith_test": {"accuracy": 0.5, "n": 2, "mean_tokens": 9.0, "median_tokens": 9}} for c in ckpts}
+        (out / "summary.json").write_text(json.dumps({"results": res}))
+        (out / "samples.jsonl").write_text("".join(json.dumps({"benchmark": "arith_test", "checkpoint": c,
+                                                               "num_tokens": 9}) + "\n" for c in ckpts))
+        return 0
+    monkeypatch.setattr(compare, "stream", fake_eval)
+    ta = train.parse_args(BASE)
+    opts, _ = compare.parse_args(["--eval-limit", "2"])
+    found = [("mutis", 0, tmp_path / "mutis-s0", {})]
+    scored, argv, _ = compare.evaluate(tmp_path, ta, found, 264, 64, opts, "greedy")
+    assert len(calls) == 1 and scored("smollm2")["acc"] == 0.5 and (tmp_path / "eval" / "summary.json").exists()
+    compare.evaluate(tmp_path, ta, found, 264, 64, opts, "greedy")
+    assert len(calls) == 1                                            # same arguments: reused
+    compare.evaluate(tmp_path, ta, found, 264, 64, opts, "sampled")
+    assert len(calls) == 2 and "sampled" in calls[1] and (tmp_path / "eval-sampled" / "summary.json").exists()
+    compare.evaluate(tmp_path, ta, found + [("mutis", 1, tmp_path / "mutis-s1", {})], 264, 64, opts, "greedy")
+    assert len(calls) == 3                                            # another checkpoint: eval.py again
