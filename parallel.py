@@ -105,13 +105,10 @@ def load_sharded(build, path, device, **shard_kwargs):
 
 def _rebuild_buffers(model):
     """to_empty leaves buffers uninitialised; the persistent ones are read from the files, the others (rotary
-    frequencies) are recomputed by transformers' own initialiser for them."""
+    frequencies, embedding scales) are recomputed by the model's own initialiser, as transformers does after its
+    own meta-device loading (parameters it touches there are overwritten from the files next)."""
     hf = model.backbone if isinstance(model, ValueModel) else model
-    for mod_name, module in hf.named_modules():
-        for name in module._non_persistent_buffers_set:
-            if "RotaryEmbedding" not in type(module).__name__:
-                raise ValueError(f"cannot rebuild buffer {mod_name}.{name} ({type(module).__name__}) of a model built "
-                                 "on the meta device")
+    for module in hf.modules():
         if module._non_persistent_buffers_set:
             with torch.no_grad():
                 hf._init_weights(module)
