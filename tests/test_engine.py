@@ -270,15 +270,16 @@ ATTN_WORKER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 import train
-seen, real_shard = [], train.shard
-def shard(m, **kw):
+seen, real_load = [], train.load_sharded
+def load_sharded(build, path, device, **kw):
+    m = real_load(build, path, device, **kw)
     cfg = m.backbone.config if hasattr(m, "backbone") else m.config
     seen.append(cfg._attn_implementation)
     if len(seen) == 3:  # actor, reference, critic: enough
         open(sys.argv[1], "w").write(json.dumps(seen))
         os._exit(0)
-    return real_shard(m, **kw)
-train.shard = shard
+    return m
+train.load_sharded = load_sharded
 train.main(sys.argv[2:])
 """
 
