@@ -267,7 +267,8 @@ def evaluate(out, ta, found, cap, T, opts, protocol):
     An eval directory written by the same arguments is reused (--summarize after adding a protocol)."""
     sub = out / ("eval" if protocol == "greedy" else f"eval-{protocol}")
     ckpts = [ta.model] + [str(d / "latest") for _, _, d, _ in found]
-    argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, opts.eval_limit, sub, protocol)
+    limit = opts.sampled_limit if protocol == "sampled" and opts.sampled_limit else opts.eval_limit
+    argv = eval_argv(ta, ckpts, cap, T, opts.eval_turns, limit, sub, protocol)
     t0, done = time.time(), sub / "compare_argv.json"  # the eval.py arguments that wrote sub/, once it succeeded
     if done.exists() and json.loads(done.read_text()) == argv and (sub / "summary.json").exists():
         print(f"[eval] {protocol}: {sub} already holds these checkpoints under the same arguments", flush=True)
@@ -314,7 +315,6 @@ def summarize(out, ta, base, cap, T, opts, notes):
     train_s = sum(rec["wall_s"] for *_, rec in found)
     setting = (f"single turn at {cap} tokens" if not opts.eval_turns else
                f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
-    n = int(tables[opts.protocols[0]][0][1]["n"])
     steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
     every = f"every {ta.val_freq} steps" if ta.val_freq else "before and after"
     names = list(dict.fromkeys(name for name, *_ in found))
@@ -322,7 +322,7 @@ def summarize(out, ta, base, cap, T, opts, notes):
     for protocol, rows in tables.items():
         how = "greedy, one sample per problem" if protocol == "greedy" else \
             "temperature 0.6, top-p 0.95, mean accuracy over 4 samples per problem (mean@4)"
-        results += [f"### {protocol} ({how})", "", table(rows, T)]
+        results += [f"### {protocol} ({how}; {int(rows[0][1]['n'])} problems)", "", table(rows, T)]
     text = "\n".join([
         "# make compare: MuTIS against its baselines", "",
         f"Command: `{' '.join(sys.argv)}`  ", f"Finished {time.strftime('%Y-%m-%d %H:%M')} on {machine()}.", "",
@@ -335,10 +335,11 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"- Validation while training (val columns, curves.png): greedy, each run in its own rollout setting, on "
         f"{'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, {every}; "
         f"the columns show the last one.",
-        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call per protocol, {setting}, on {n} "
-        f"problems of `{ta.val_data}`; acc at {T} tok re-scores the same generations cut at {T} tokens; at cap: "
+        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call per protocol, {setting}, on the "
+        f"problems of `{ta.val_data}` (n below); acc at {T} tok re-scores the same generations cut at {T} tokens; "
+        f"at cap: "
         f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
-        f"before any answer; SE = sqrt(s_seeds^2/S + p(1-p)/{n}) (the seeds' spread and the problems' binomial "
+        f"before any answer; SE = sqrt(s_seeds^2/S + p(1-p)/n) (the seeds' spread and the problems' binomial "
         f"error); frontier.png plots accuracy against mean tokens with these bars.",
         "", "| run | why | extra train.py arguments |", "|---|---|---|",
         *[f"| {k} | {run_spec(k)[0]} | `{' '.join(run_spec(k)[1](T, cap)) or '(none)'}` |"
@@ -379,6 +380,8 @@ def parse_args(argv):
                                                   "(default: this python)")
     p.add_argument("--eval-turns", type=int, default=0, help="eval.py --max-turns (0: single turn, the paper's eval)")
     p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
+    p.add_argument("--sampled-limit", type=int, default=None,
+                   help="eval.py --limit for the sampled protocol only (it generates 4 samples per problem)")
     p.add_argument("--protocols", default="greedy,sampled",
                    help="eval.py --protocol of the final evaluations, comma-separated: greedy, sampled")
     mode = p.add_mutually_exclusive_group()
@@ -390,7 +393,7 @@ def parse_args(argv):
         die(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(RUNS)}, length_penalty_C)")
     opts.protocols = list(dict.fromkeys(x for x in opts.protocols.replace(",", " ").split()))
     if not opts.protocols or (bad := [x for x in opts.protocols if x not in ("greedy", "sampled")]):
-        die(f"--protocols: expected greedy and/or sampled, got {opts.protocols.__str__() if not opts.protocols else bad[0]}")
+        die(f"--protocols: expected greedy and/or sampled, got {bad[0] if opts.protocols else 'none'}")
     if not all(s.isdigit() for s in opts.seeds) or not opts.seeds:
         die(f"--seeds: expected non-negative integers, got {' '.join(opts.seeds) or 'none'}")
     return opts, argv[cut + 1:]
