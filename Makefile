@@ -59,11 +59,12 @@ demo: $(STAMP)
 # whole); LAUNCH runs train.py (e.g. torchrun --nproc_per_node 8); COMPARE_FLAGS=--train-only or
 # --summarize splits the work over machines (docs/results.md: "make compare").
 # TASK=story: the word problems where working pays (data/README.md), the length penalty at two costs (a
-# full-cap response costs 0.2 or 1 correct answer), validation every 6 steps; `make compare TASK=story
+# full-cap response costs 0.05 or 0.2 correct answers), validation every 6 steps; `make compare TASK=story
 # SEEDS="0 1 2"` is docs/results.md's table (about 2 hours on 2 CPU cores).
 ifeq ($(TASK),story)
-RUNS ?= mutis single_cap single_hard length_penalty_0.2 length_penalty_1
+RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
 TASK_ARGS := --data story_train --val-data story_test --system-prompt worked-steps --val-freq 6
+TASK_FLAGS := --sampled-limit 50
 OUT ?= runs/compare-story
 else ifneq ($(TASK),)
 $(error TASK=$(TASK): known tasks are story (or none: the demo's arithmetic))
@@ -74,7 +75,7 @@ OUT ?= runs/compare
 COMPARE_BASE ?= $(DEMO_ARGS) --val-freq 4 --val-limit 50 $(TASK_ARGS)
 compare: $(STAMP)
 	$(PY) bench/compare.py --runs "$(RUNS)" --seeds "$(SEEDS)" --out $(OUT) $(if $(LAUNCH),--launcher "$(LAUNCH)") \
-		$(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \
+		$(TASK_FLAGS) $(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \
 		$(if $(VAL),--val-data $(VAL)) $(ARGS)
 
 # First thing on a new GPU node with vLLM: sample, sleep, sync perturbed weights, sample again, log-prob gap
