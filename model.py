@@ -185,16 +185,22 @@ def _attention(name):
     return name
 
 
+def _on_meta(auto_cls, path, dtype, attn):
+    """auto_cls (AutoModelForCausalLM, AutoModel) built from the config at `path` on the meta device: no weights."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return auto_cls.from_config(AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation=attn)
+
+
 def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa", meta=False):
     """The causal LM at `path`; meta=True builds it from its config on the meta device, reading no weights
     (parallel.load_sharded then fills each rank's shard)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     attn = _attention(attn_implementation)
     if meta:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
-                                                    attn_implementation=attn)
+        return _on_meta(AutoModelForCausalLM, path, dtype, attn)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
 
 
@@ -233,13 +239,11 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa", meta=Fals
     """Critic = the backbone of `path` + a value head; `path` is a causal LM or a save_critic directory.
     meta=True: built on the meta device, nothing read (see load_causal_lm)."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     attn = _attention(attn_implementation)
     if meta:
-        with torch.device("meta"):
-            return ValueModel(AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
-                                                    attn_implementation=attn))
+        return ValueModel(_on_meta(AutoModel, path, dtype, attn))
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     critic = ValueModel(backbone)
     head_file = Path(path) / VALUE_HEAD_FILE

@@ -81,6 +81,12 @@ def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, 
     return model
 
 
+def persistent_buffers(model):
+    """[(name, buffer)] of the buffers a state dict holds (rotary frequencies and the like are not in it)."""
+    return [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
+            for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
+
+
 # ----------------------------------------------------------------------------- loading each rank's shard
 
 def load_sharded(build, path, device, **shard_kwargs):
@@ -93,11 +99,13 @@ def load_sharded(build, path, device, **shard_kwargs):
     if not files:
         return shard(build(meta=False).to(device), **shard_kwargs)
     model = shard(build(meta=True), **shard_kwargs)
-    model.to_empty(device="cpu" if shard_kwargs.get("offload") else device)
-    for module in model.modules():  # buffers stay where the compute runs, as in the path above
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
+    offload = shard_kwargs.get("offload")
+    model.to_empty(device="cpu" if offload else device)
+    if offload:  # FSDP keeps the parameters on the CPU; buffers stay where the compute runs, as in the path above
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
     _rebuild_buffers(model)
     _fill_shards(model, path, files)
     return model
@@ -158,9 +166,7 @@ def _fill_shards(model, path, files):
 
     index = safetensors_index(files)
     prefix = getattr(model.backbone, "base_model_prefix", "model") if isinstance(model, ValueModel) else None
-    persistent = [(f"{m}.{b}".lstrip("."), buf) for m, mod in model.named_modules()
-                  for b, buf in mod._buffers.items() if buf is not None and b not in mod._non_persistent_buffers_set]
-    for name, tensor in [*model.named_parameters(), *persistent]:
+    for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
         keys = [name]
         if prefix and name.startswith("backbone."):  # a causal LM's file names the backbone "model."
             keys = [name[len("backbone."):], f"{prefix}.{name[len('backbone.'):]}"]
@@ -287,9 +293,7 @@ def full_state_dict(model):
     one shard and one full tensor beyond the model's own shards."""
     from torch.distributed.tensor import DTensor
 
-    persistent = [(f"{mod_name}.{b}".lstrip("."), buf) for mod_name, mod in model.named_modules()
-                  for b, buf in mod.named_buffers(recurse=False) if b not in mod._non_persistent_buffers_set]
-    for name, tensor in [*model.named_parameters(), *persistent]:
+    for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
         if isinstance(tensor, DTensor):
             mesh_device = tensor.device_mesh.device_type  # "cuda" for FSDP2 on GPUs, offloaded or not
             if tensor.device.type != mesh_device:
