@@ -362,6 +362,7 @@ def write_outputs(out, names, samples, summary, budgets):
 PROTOCOLS = {"greedy": {"temperature": 0.0, "top_p": 1.0, "samples_per_prompt": 1},
              "sampled": {"temperature": 0.6, "top_p": 0.95, "samples_per_prompt": 4}}
 
+
 def parse_args(argv=None):
     import rollout  # the sampling flags are rollout.py's, shared with train.py
 

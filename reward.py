@@ -484,7 +484,8 @@ def is_equivalent(pred, gold, timeout=DEFAULT_TIMEOUT):
 # ---------------------------------------------------------------------------------------------
 # Rewards
 
-_REGISTRY = {"math": (None, False), "gsm8k": (None, False), "arith": (None, False), "story": (None, False)}  # name -> (fn, batched)
+# name -> (fn, batched); None: the built-in math reward
+_REGISTRY = {"math": (None, False), "gsm8k": (None, False), "arith": (None, False), "story": (None, False)}
 # Built-in sources whose answers are plain numbers in prose: the last number counts when nothing is marked.
 LAST_NUMBER_SOURCES = {"gsm8k", "arith", "story"}
 

@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cli import ArgumentParser, die, write_atomic  # noqa: E402
+from eval import PROTOCOLS  # noqa: E402
 
 LENGTH_COST = 0.5  # length_penalty: what a response at the full cap costs, in correct answers
 
@@ -71,10 +72,10 @@ def run_spec(name):
 
 
 def run_order(name):
-    """Sort key: RUNS order, the costed penalties after length_penalty by cost, unknown names last."""
-    m = COSTED.fullmatch(name) or (name == "length_penalty" and [name, LENGTH_COST])
-    return (list(RUNS).index("length_penalty"), float(m[1])) if m else \
-        ((list(RUNS).index(name), 0) if name in RUNS else (len(RUNS), 0))
+    """Sort key: RUNS order, the penalties at any cost in length_penalty's place by cost, unknown names last."""
+    if (m := COSTED.fullmatch(name)) or name == "length_penalty":
+        return list(RUNS).index("length_penalty"), float(m[1]) if m else LENGTH_COST
+    return (list(RUNS).index(name), 0) if name in RUNS else (len(RUNS), 0)
 
 
 def binomial_se(p, n):
@@ -323,8 +324,7 @@ def summarize(out, ta, base, cap, T, opts, notes):
     names = list(dict.fromkeys(name for name, *_ in found))
     results = []
     for protocol, rows in tables.items():
-        how = "greedy, one sample per problem" if protocol == "greedy" else \
-            "temperature 0.6, top-p 0.95, mean accuracy over 4 samples per problem (mean@4)"
+        how = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in PROTOCOLS[protocol].items())
         results += [f"### {protocol} ({how}; {int(rows[0][1]['n'])} problems)", "", table(rows, T)]
     text = "\n".join([
         "# make compare: MuTIS against its baselines", "",
@@ -384,9 +384,10 @@ def parse_args(argv):
     p.add_argument("--eval-turns", type=int, default=0, help="eval.py --max-turns (0: single turn, the paper's eval)")
     p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
     p.add_argument("--sampled-limit", type=int, default=None,
-                   help="eval.py --limit for the sampled protocol only (it generates 4 samples per problem)")
+                   help="eval.py --limit for the sampled protocol only (it generates "
+                        f"{PROTOCOLS['sampled']['samples_per_prompt']} samples per problem)")
     p.add_argument("--protocols", default="greedy,sampled",
-                   help="eval.py --protocol of the final evaluations, comma-separated: greedy, sampled")
+                   help=f"eval.py --protocol of the final evaluations, comma-separated: {', '.join(PROTOCOLS)}")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--train-only", action="store_true", help="train the runs, no eval.py and no summary")
     mode.add_argument("--summarize", action="store_true", help="no training: eval.py and the summary over OUT")
@@ -395,8 +396,8 @@ def parse_args(argv):
     if unknown := [r for r in opts.runs if run_spec(r) is None]:
         die(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(RUNS)}, length_penalty_C)")
     opts.protocols = list(dict.fromkeys(x for x in opts.protocols.replace(",", " ").split()))
-    if not opts.protocols or (bad := [x for x in opts.protocols if x not in ("greedy", "sampled")]):
-        die(f"--protocols: expected greedy and/or sampled, got {bad[0] if opts.protocols else 'none'}")
+    if not opts.protocols or (bad := [x for x in opts.protocols if x not in PROTOCOLS]):
+        die(f"--protocols: expected {' and/or '.join(PROTOCOLS)}, got {bad[0] if opts.protocols else 'none'}")
     if not all(s.isdigit() for s in opts.seeds) or not opts.seeds:
         die(f"--seeds: expected non-negative integers, got {' '.join(opts.seeds) or 'none'}")
     return opts, argv[cut + 1:]
