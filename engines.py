@@ -62,6 +62,13 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
         llm.apply_model(repack)
 
 
+def _context_length(model_path):
+    """The model's own context length (what vLLM uses when max_model_len is None)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).max_position_embeddings
+
+
 class VLLMEngine:
     def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                  distributed=False, enforce_eager=False, kv_cache_gib=None):
@@ -80,6 +87,12 @@ class VLLMEngine:
             # The prefix cache reuses whole blocks only: with the CPU default of 128, every turn re-prefills up to
             # 127 tokens per sample; 32 (the smallest the CPU attention kernels take) measured ~20% faster multi-turn.
             kwargs["block_size"] = 32
+            # A prefill split over two engine steps discards the token sampled after its first part and rewinds
+            # the request's generator, which a CPU generator cannot do: a seeded request then fails with "CPU
+            # Generator does not use offset" (vLLM 0.32). Whole prefills only; a step must then
+            # hold the longest one (vLLM refuses a token budget below max_model_len).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, max_model_len or _context_length(model_path))
         else:
             kwargs["enable_sleep_mode"] = True  # weights dropped / KV cache freed while the trainer runs
             self.utilization = gpu_memory_utilization

