@@ -60,7 +60,7 @@ demo: $(STAMP)
 # --summarize splits the work over machines (docs/results.md: "make compare").
 # TASK=story: the word problems where working pays (data/README.md), the length penalty at two costs (a
 # full-cap response costs 0.05 or 0.2 correct answers), validation every 6 steps; `make compare TASK=story
-# SEEDS="0 1 2"` is docs/results.md's table (about 2 hours on 2 CPU cores).
+# SEEDS="0 1 2"` is docs/results.md's table (about 82 minutes on 2 quiet CPU cores).
 ifeq ($(TASK),story)
 RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
 TASK_ARGS := --data story_train --val-data story_test --system-prompt worked-steps --val-freq 6

@@ -86,7 +86,8 @@ def generate(engine, tokenizer, records, args, desc="", prompts=None):
     with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
         for start in range(0, len(prompts), args.engine_batch):
             chunk = prompts[start:start + args.engine_batch]
-            # per-sample seeds derive from (seed, global prompt index): results do not depend on --engine-batch
+            # per-sample seeds derive from (seed, global prompt index), not from --engine-batch (the batch's bf16
+            # arithmetic still does: a sampled response may change with it)
             trajs = rollout.sample(engine, chunk, prompt_indices=range(start, start + len(chunk)), **rollout.sample_kwargs(
                 args, intervention_ids, eos_ids, turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
                 max_response_tokens=gen_tokens, cut_at_answer=cuts(args)))
