@@ -246,13 +246,17 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    save_hf(models["actor"][0], tokenizer, tmp / "actor")
-    if "critic" in models:
-        save_critic(models["critic"][0], tmp / "critic")
-    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
-    dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               tmp / f"rng_rank{rank}.pt")
+    try:
+        save_hf(models["actor"][0], tokenizer, tmp / "actor")
+        if "critic" in models:
+            save_critic(models["critic"][0], tmp / "critic")
+        sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
+        dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                   tmp / f"rng_rank{rank}.pt")
+    except (OSError, RuntimeError):
+        disk_full_error(out, step, tmp)
+        raise
     barrier()
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
@@ -266,6 +270,17 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None)
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def disk_full_error(out, step, tmp, spare=64 * 2**20):
+    """A checkpoint write failed: when the disk under OUT is (nearly) full, remove the partial step_N.tmp and die
+    with one line instead of the writer's traceback (torch's is "unexpected pos"); otherwise return."""
+    free = shutil.disk_usage(out).free
+    if free >= spare:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    die(f"--out {out}: the disk filled up while writing checkpoint step {step} ({free / 2**20:.1f} MiB were left); "
+        f"free space there, write to a larger disk, or keep fewer checkpoints with --keep-last")
 
 
 def load_checkpoint(path, models):

@@ -246,3 +246,26 @@ def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
 def test_resume_without_checkpoint_says_so(tmp_path, capsys):
     assert train.resume(None, SimpleNamespace(out=tmp_path, master=True)) == 0
     assert capsys.readouterr().out == f"[resume] no checkpoint in {tmp_path}: starting at step 0\n"
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """The writer fails (torch says "unexpected pos" when the disk fills): with almost no space left under --out,
+    one line naming --out and --keep-last, exit 2, no step_N.tmp, no step_N, no latest; with space left, the
+    writer's own error stays itself."""
+    from collections import namedtuple
+
+    def writer_fails(model, tokenizer, path):
+        path.mkdir(parents=True)
+        (path / "partial.bin").write_bytes(b"x" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(parallel, "save_hf", writer_fails)
+    monkeypatch.setattr(parallel.shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 100_000, 100_000))
+    with pytest.raises(SystemExit) as e:
+        parallel.save_checkpoint(tmp_path, 3, {"actor": (None, None)}, None, {})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"--out {tmp_path}" in err[0] and "--keep-last" in err[0]
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(parallel.shutil, "disk_usage", lambda p: usage(10 * 2**30, 0, 10 * 2**30))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        parallel.save_checkpoint(tmp_path, 4, {"actor": (None, None)}, None, {})
