@@ -106,6 +106,7 @@ def main():
                     res["reload_values_diff"] = (reloaded(packing.from_padded(ids, mask, start)) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
+    dist.barrier()  # as in _token_mean_worker: no rank tears gloo down while another still writes
     dist.destroy_process_group()
 
 
