@@ -62,11 +62,20 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
         llm.apply_model(repack)
 
 
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
 def _context_length(model_path):
-    """The model's own context length (what vLLM uses when max_model_len is None)."""
+    """The model's own context length (what vLLM uses when max_model_len is None), from the first of the config
+    keys vLLM also reads (a multimodal config's text part first)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path).max_position_embeddings
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    for key in _LENGTH_KEYS:
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    die(f"{model_path}: its config names no context length ({', '.join(_LENGTH_KEYS)}); set --max-model-len")
 
 
 class VLLMEngine:

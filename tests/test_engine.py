@@ -345,3 +345,20 @@ def test_prepare_race_builds_once(tmp_path):
     model_dir = Path(paths.pop())
     assert {p.name for p in model_dir.iterdir()} == {"config.json", "model.safetensors"}
     assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".staging")]
+
+
+def test_context_length_reads_the_keys_vllm_reads(tmp_path, monkeypatch, capsys):
+    """The CPU engine's step budget needs the model's context length when --max-model-len is unset: the first
+    length key of the (text) config, or one line asking for the flag."""
+    import transformers
+    configs = {"llama": SimpleNamespace(max_position_embeddings=8192),
+               "gpt2-like": SimpleNamespace(n_positions=1024),
+               "multimodal": SimpleNamespace(text_config=SimpleNamespace(seq_length=4096), max_position_embeddings=7),
+               "none": SimpleNamespace(hidden_size=64)}
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path: configs[path])
+    assert [engines._context_length(k) for k in ("llama", "gpt2-like", "multimodal")] == [8192, 1024, 4096]
+    with pytest.raises(SystemExit) as e:
+        engines._context_length("none")
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and "none: its config names no context length" in err and "--max-model-len" in err
+    assert err.strip().count("\n") == 0
