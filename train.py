@@ -110,7 +110,8 @@ def parse_args(argv=None):
     a("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
     a("--val-freq", type=int, default=0, help="validate every N steps (0 = never)")
     a("--test-freq", dest="val_freq", type=int, help=argparse.SUPPRESS, action=deprecated("--test-freq", "--val-freq"))
-    a("--val-before-train", action="store_true", help="validate before the first step")
+    a("--val-before-train", action=argparse.BooleanOptionalAction, default=False,
+      help="validate before the first step")
     a("--resume", action="store_true", help="continue from OUT/latest")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
     a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")

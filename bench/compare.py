@@ -2,8 +2,9 @@
 
 Every run starts from the same model and trains on the same data with the same seed, steps and rollouts per
 step (the train.py arguments after `--`; `make compare` passes the demo's); only the rollout shape and the
-reward differ (RUNS below; length_penalty_C prices a full-cap response at C correct answers). Each run validates
-in its own rollout setting while it trains (curves.png), then one eval.py call per protocol (greedy; sampled:
+reward differ (RUNS below; length_penalty_C prices a full-cap response at C correct answers). Each run may
+validate in its own rollout setting while it trains (train.py's --val-freq; curves.png plots the training rollouts
+and those validations), then one eval.py call per protocol (greedy; sampled:
 T 0.6, mean@4) scores the untrained model and every final checkpoint on the validation set, single turn, at the
 token cap a MuTIS trajectory could reach (--eval-turns K: with K interventions instead).
 
@@ -149,6 +150,12 @@ def val_rows(run_dir):
     return [r for r in map(json.loads, open(path)) if r.get("val/acc") is not None] if path.exists() else []
 
 
+def train_rows(run_dir):
+    """A run's training-step rows (its rollouts of every step) from its metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, open(path)) if r.get("acc/mean") is not None] if path.exists() else []
+
+
 def last_val(rows):
     """The last validation of a run as table metrics, or {}."""
     return {"val_acc": rows[-1]["val/acc"], "val_tokens": rows[-1]["val/response_length"],
@@ -221,20 +228,25 @@ def train_run(name, seed, args, out, launcher):
 
 
 def plot(found, path):
-    """Validation accuracy and mean tokens against step, one line per run and seed (own rollout setting)."""
+    """Per step, one line per run and seed: the training rollouts' accuracy and mean tokens (sampled, own rollout
+    setting; every step has them) with the validations (greedy, own setting) as larger markers where a run has any."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     colors = {}
     for name, seed, d, _ in found:
-        rows = val_rows(d)
+        rows, val = train_rows(d), val_rows(d)
         color = colors.setdefault(name, f"C{len(colors)}")
-        for ax, key, scale in ((axes[0], "val/acc", 100), (axes[1], "val/response_length", 1)):
-            ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], marker="o", color=color,
-                    linestyle="-" if seed == found[0][1] else "--", label=f"{name} s{seed}")
-    axes[0].set(title="validation accuracy % (own rollout setting)", xlabel="step")
-    axes[1].set(title="validation mean response tokens", xlabel="step")
+        style = "-" if seed == found[0][1] else "--"
+        for ax, key, vkey, scale in ((axes[0], "acc/mean", "val/acc", 100),
+                                     (axes[1], "response_length/mean", "val/response_length", 1)):
+            ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], color=color, linestyle=style,
+                    label=f"{name} s{seed}")
+            ax.plot([r["step"] for r in val], [scale * r[vkey] for r in val], marker="o", markersize=7,
+                    color=color, linestyle="none")
+    axes[0].set(title="accuracy % (line: training rollouts; o: validation)", xlabel="step")
+    axes[1].set(title="mean response tokens (line: training rollouts; o: validation)", xlabel="step")
     for ax in axes:
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
@@ -317,7 +329,8 @@ def summarize(out, ta, base, cap, T, opts, notes):
     setting = (f"single turn at {cap} tokens" if not opts.eval_turns else
                f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
     steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
-    every = f"every {ta.val_freq} steps" if ta.val_freq else "before and after"
+    val_steps = sorted({r["step"] for *_, d, _ in found for r in val_rows(d)})
+    every = f"at step {', '.join(map(str, val_steps))}" if val_steps else "never"
     names = list(dict.fromkeys(name for name, *_ in found))
     results = []
     for protocol, rows in tables.items():
@@ -332,9 +345,9 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"train.py arguments `{' '.join(base)}`.",
         f"- MuTIS budget: {T}-token turns, up to {ta.max_turns} interventions of {opts.intervention_tokens} tokens: "
         f"a trajectory reaches at most {cap} tokens (the single-turn cap below).",
-        f"- Validation while training (val columns, curves.png): greedy, each run in its own rollout setting, on "
-        f"{'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, {every}; "
-        f"the columns show the last one.",
+        f"- Validation while training (val columns, the markers in curves.png): greedy, each run in its own rollout "
+        f"setting, on {'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, "
+        f"{every}; the columns show the last one. curves.png's lines: the training rollouts of every step.",
         f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call per protocol, {setting}, on the "
         f"problems of `{ta.val_data}` (n below); acc at {T} tok re-scores the same generations cut at {T} tokens; "
         f"at cap: "

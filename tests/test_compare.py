@@ -161,7 +161,7 @@ def test_finished_runs_in_runs_order_with_their_last_validation(tmp_path):
         return d
     val = {"val/acc": 0.5, "val/response_length": 40.0, "val/turns": 1.5}
     run("single_hard", 0, [{"step": 0, **val}])
-    run("mutis", 1, [{"step": 0, **val}, {"step": 1, "acc/mean": 0.3},
+    run("mutis", 1, [{"step": 0, **val}, {"step": 1, "acc/mean": 0.3, "response_length/mean": 50.0},
                      {"step": 2, "val/acc": 0.75, "val/response_length": 20.0, "val/turns": 1.0}])
     run("mutis", 0, [])
     run("single_cap", 0, [], done=False)   # train.py failed or still running: not gathered
@@ -171,6 +171,9 @@ def test_finished_runs_in_runs_order_with_their_last_validation(tmp_path):
     assert compare.last_val(compare.val_rows(found[1][2])) == {"val_acc": 0.75, "val_tokens": 20.0, "val_turns": 1.0,
                                                                "val_step": 2}
     assert compare.val_rows(found[0][2]) == [] and compare.last_val([]) == {}
+    assert [r["step"] for r in compare.train_rows(found[1][2])] == [1] and compare.train_rows(found[0][2]) == []
+    compare.plot(found, tmp_path / "curves.png")   # runs with and without validations, one without any row
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert compare.val_rows(tmp_path / "nothing-here") == []
 
 
@@ -231,3 +234,17 @@ def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypat
     assert len(calls) == 2 and "sampled" in calls[1] and (tmp_path / "eval-sampled" / "summary.json").exists()
     compare.evaluate(tmp_path, ta, found + [("mutis", 1, tmp_path / "mutis-s1", {})], 264, 64, opts, "greedy")
     assert len(calls) == 3                                            # another checkpoint: eval.py again
+
+
+def test_the_story_task_validates_only_after_the_last_step():
+    """`make compare TASK=story`'s train.py arguments as make expands them: no validation of the untrained model
+    before every run (--no-val-before-train after the demo's --val-before-train), one after the last step."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    cmd = subprocess.run(["make", "-n", "-s", "compare", "TASK=story", "SEEDS=0 1 2"], cwd=root, text=True,
+                         capture_output=True, check=True).stdout
+    line = " ".join(cmd.replace("\\\n", " ").split())
+    argv = line[line.index("compare.py"):].split(" -- ", 1)[1].split()
+    a = train.parse_args(argv + ["--seed", "0", "--out", "/tmp/x"])
+    assert (a.val_before_train, a.val_freq, a.steps, a.data) == (False, 12, 12, "story_train")
+    assert train.parse_args(BASE + ["--val-before-train"]).val_before_train
