@@ -13,7 +13,8 @@ token cap a MuTIS trajectory could reach (--eval-turns K: with K interventions i
     python bench/compare.py --summarize -- ...       # eval.py + tables over every finished run in --out
     python bench/compare.py --launcher "torchrun --nproc_per_node 8" -- --model /path/to/hf_model ...
 
-Writes OUT/<run>-s<seed>/ (train.py's --out, plus train.log and compare.json once it succeeded), OUT/eval/ and
+Writes OUT/<run>-s<seed>/ (train.py's --out, plus train.log and compare.json once it succeeded: a rerun keeps a
+run whose compare.json holds the same train.py arguments, so a stopped compare resumes), OUT/eval/ and
 OUT/eval-sampled/ (eval.py's outputs, reused by a later --summarize with the same arguments), OUT/summary.md,
 OUT/summary.json, OUT/frontier.png (accuracy against mean tokens with SE bars) and OUT/curves.png.
 """
@@ -215,6 +216,10 @@ def failure(code, log):
 def train_run(name, seed, args, out, launcher):
     """train.py with args (base + the run's extra) at this seed into OUT/<name>-s<seed>; compare.json on success."""
     d = out / f"{name}-s{seed}"
+    done = d / "compare.json"
+    if done.exists() and (d / "latest").exists() and json.loads(done.read_text()).get("args") == args:
+        print(f"[{name} s{seed}] already trained with these arguments ({done}): kept", flush=True)
+        return
     shutil.rmtree(d, ignore_errors=True)  # train.py appends to metrics.jsonl: start clean
     d.mkdir(parents=True)
     cmd = [*(shlex.split(launcher) or [sys.executable]), str(ROOT / "train.py"), *args,

@@ -248,3 +248,29 @@ def test_the_story_task_validates_only_after_the_last_step():
     a = train.parse_args(argv + ["--seed", "0", "--out", "/tmp/x"])
     assert (a.val_before_train, a.val_freq, a.steps, a.data) == (False, 12, 12, "story_train")
     assert train.parse_args(BASE + ["--val-before-train"]).val_before_train
+
+
+def test_a_rerun_keeps_runs_finished_with_the_same_arguments(tmp_path, monkeypatch):
+    """A stopped compare resumes: a run whose compare.json holds these train.py arguments is kept; one with other
+    arguments, or without compare.json (stopped mid-run), trains again from an empty directory."""
+    trained = []
+
+    def fake_stream(cmd, log, prefix, show=None):
+        d = Path(cmd[len(cmd) - cmd[::-1].index("--out")])   # the last --out: the run's directory
+        trained.append(d.name)
+        assert sorted(p.name for p in d.iterdir()) == []       # started clean
+        (d / "step_000001").mkdir()
+        (d / "latest").symlink_to("step_000001")
+        return 0
+    monkeypatch.setattr(compare, "stream", fake_stream)
+    args = BASE + ["--steps", "2"]
+    compare.train_run("mutis", 0, args, tmp_path, "")
+    compare.train_run("mutis", 0, args, tmp_path, "")          # same arguments: kept
+    assert trained == ["mutis-s0"]
+    compare.train_run("mutis", 0, args + ["--actor-lr", "1e-5"], tmp_path, "")   # other arguments: trained again
+    assert trained == ["mutis-s0", "mutis-s0"]
+    stopped = tmp_path / "single_cap-s1"
+    (stopped / "step_000001").mkdir(parents=True)
+    (stopped / "metrics.jsonl").write_text("{}\n")                # killed mid-run: no compare.json
+    compare.train_run("single_cap", 1, args, tmp_path, "")
+    assert trained[-1] == "single_cap-s1" and json.loads((stopped / "compare.json").read_text())["args"] == args
