@@ -61,7 +61,7 @@ demo: $(STAMP)
 # TASK=story: the word problems where working pays (data/README.md), the length penalty at two costs (a
 # full-cap response costs 0.05 or 0.2 correct answers), validation only after the last step (validating the
 # same untrained model before every run cost 8 % of the budget; it changes no training step); `make compare
-# TASK=story SEEDS="0 1 2"` is docs/results.md's table (MEASURED on 2 CPU cores).
+# TASK=story SEEDS="0 1 2"` is docs/results.md's table (78.5 minutes of training and eval.py on 2 CPU cores).
 ifeq ($(TASK),story)
 RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
 TASK_ARGS := --data story_train --val-data story_test --system-prompt worked-steps --no-val-before-train --val-freq 12
