@@ -243,7 +243,7 @@ def plot(found, path):
     for name, seed, d, _ in found:
         rows, val = train_rows(d), val_rows(d)
         color = colors.setdefault(name, f"C{len(colors)}")
-        style = "-" if seed == found[0][1] else "--"
+        style = ("-", "--", ":", "-.")[sorted({x[1] for x in found}).index(seed) % 4]  # one dash per seed
         for ax, key, vkey, scale in ((axes[0], "acc/mean", "val/acc", 100),
                                      (axes[1], "response_length/mean", "val/response_length", 1)):
             ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], color=color, linestyle=style,
