@@ -48,6 +48,21 @@ def init_distributed(timeout=None):
     return rank, world, local, device
 
 
+def close_distributed():
+    """End the process group while the interpreter is whole. FSDP's modules hold the group in reference cycles that
+    only the garbage collector frees; left to interpreter shutdown, the group's gloo worker threads touch Python
+    after it is finalising and the process aborts ("terminate called without an active exception")."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still uses it
+        gc.collect()
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _rank():
     import torch.distributed as dist
 

@@ -47,8 +47,8 @@ from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, l
                    token_logprobs)
 from logs import format_line, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
-from parallel import (all_reduce_dict, all_reduce_sum, barrier, check_shared_out, full_state_dict, init_distributed,
-                      load_checkpoint, load_sharded, save_checkpoint)
+from parallel import (all_reduce_dict, all_reduce_sum, barrier, check_shared_out, close_distributed, full_state_dict,
+                      init_distributed, load_checkpoint, load_sharded, save_checkpoint)
 from system import choose_dtype, keep_freed_memory, quiet_logs
 
 
@@ -241,8 +241,8 @@ def main(argv=None):
         report(val_history, run.out)
     barrier()  # no rank tears the process group down while rank 0 still writes the report
     run.engine.close()  # vLLM's teardown also destroys the default process group under torchrun
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del run             # the models: FSDP holds the group in cycles, freed by close_distributed's collection
+    close_distributed()
 
 
 # ----------------------------------------------------------------------------- the method, step by step

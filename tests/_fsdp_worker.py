@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
@@ -106,8 +105,7 @@ def main():
                     res["reload_values_diff"] = (reloaded(packing.from_padded(ids, mask, start)) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
-    dist.barrier()  # as in _token_mean_worker: no rank tears gloo down while another still writes
-    dist.destroy_process_group()
+    parallel.close_distributed()
 
 
 if __name__ == "__main__":

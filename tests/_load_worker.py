@@ -58,8 +58,7 @@ def main():
         assert len(critics) != 2 or critics[sys.argv[1]]["value_head.weight"].abs().sum() == 0  # a new head: 0
         assert len(critics) != 2 or critics[sys.argv[4]]["value_head.weight"].abs().sum() > 0
         out.write_text(json.dumps(peaks))
-    dist.barrier()  # as in _token_mean_worker: no rank tears gloo down while another still writes
-    dist.destroy_process_group()
+    parallel.close_distributed()
 
 
 if __name__ == "__main__":

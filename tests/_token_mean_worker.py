@@ -59,8 +59,7 @@ def main():
     dist.all_gather_object(every, len(calls))
     if rank == 0:
         torch.save({"params": params, "skipped": skipped, "stats": stats, "calls": every}, out)
-    dist.barrier()  # rank 1 tearing gloo down while rank 0 still writes aborted it now and then ("terminate called")
-    dist.destroy_process_group()
+    parallel.close_distributed()
 
 
 if __name__ == "__main__":
