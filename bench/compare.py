@@ -239,11 +239,11 @@ def plot(found, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    colors = {}
+    colors, seeds = {}, sorted({seed for _, seed, _, _ in found})
     for name, seed, d, _ in found:
         rows, val = train_rows(d), val_rows(d)
         color = colors.setdefault(name, f"C{len(colors)}")
-        style = ("-", "--", ":", "-.")[sorted({x[1] for x in found}).index(seed) % 4]  # one dash per seed
+        style = ("-", "--", ":", "-.")[seeds.index(seed) % 4]  # one dash per seed
         for ax, key, vkey, scale in ((axes[0], "acc/mean", "val/acc", 100),
                                      (axes[1], "response_length/mean", "val/response_length", 1)):
             ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], color=color, linestyle=style,
