@@ -160,32 +160,40 @@ def _torch_varlen():
     return run
 
 
-_VARLEN_KERNEL = []  # resolved once per process
+_VARLEN_KERNEL = []  # resolved once per process (register_varlen_attention), outside any torch.compile trace
+
+
+def _varlen_kernel():
+    if not _VARLEN_KERNEL:
+        _VARLEN_KERNEL.append(_torch_varlen())
+    return _VARLEN_KERNEL[0]
+
+
+@torch.compiler.disable  # a Python loop over the sequences: run as is, not traced again for every sequence count
+def _per_sequence_sdpa(query, key, value, cu, scaling):
+    bounds, gqa = cu.tolist(), query.shape[1] != key.shape[1]
+    return torch.cat([F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                     is_causal=True, scale=scaling, enable_gqa=gqa)
+                      for s, e in zip(bounds[:-1], bounds[1:])], 2)              # [1, Hq, T, D]
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
                      max_length_q=None, **kwargs):
     """Causal attention inside each sequence of a packed row: query [1, Hq, T, D], key/value [1, Hkv, T, D] ->
-    ([1, T, Hq, D], None). On CUDA in bf16/fp16, torch's varlen flash kernel (no flash-attn package needed);
-    elsewhere (CPU, fp32) one causal SDPA call per sequence, which computes no cross-sequence scores either.
-    Without cu_seq_lens_q the row is one sequence."""
+    ([1, T, Hq, D], None). On CUDA in bf16/fp16, torch's varlen flash kernel (no flash-attn package needed; a custom
+    op, so --compile traces through it); elsewhere (CPU, fp32) one causal SDPA call per sequence, which computes no
+    cross-sequence scores either. Without cu_seq_lens_q the row is one sequence."""
     if query.shape[0] != 1 or attention_mask is not None:
         raise ValueError("--attn-implementation varlen takes packed rows (packing.pack) without an attention mask")
     if getattr(module, "sliding_window", None):
         raise ValueError("--attn-implementation varlen has no sliding-window attention; use sdpa")
     T, hq, hkv = query.shape[2], query.shape[1], key.shape[1]
     cu = cu_seq_lens_q if cu_seq_lens_q is not None else torch.tensor([0, T], dtype=torch.int32, device=query.device)
-    max_len = max_length_q or T
-    if not _VARLEN_KERNEL:
-        _VARLEN_KERNEL.append(_torch_varlen())
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _VARLEN_KERNEL[0] is not None:
+    kernel = _varlen_kernel()
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kernel is not None:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
-        return _VARLEN_KERNEL[0](q, k, v, cu, max_len, scaling, hq // hkv)[None], None
-    bounds = cu.tolist()
-    out = torch.cat([F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                     is_causal=True, scale=scaling, enable_gqa=hq != hkv)
-                     for s, e in zip(bounds[:-1], bounds[1:])], 2)                # [1, Hq, T, D]
-    return out.transpose(1, 2).contiguous(), None
+        return kernel(q, k, v, cu, max_length_q or T, scaling, hq // hkv)[None], None
+    return _per_sequence_sdpa(query, key, value, cu, scaling).transpose(1, 2).contiguous(), None
 
 
 def register_varlen_attention():
@@ -193,4 +201,5 @@ def register_varlen_attention():
     interface only, so transformers builds no mask for it (its mask interface does not know the name)."""
     from transformers import AttentionInterface
 
+    _varlen_kernel()
     AttentionInterface.register(VARLEN, varlen_attention)
