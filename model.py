@@ -252,6 +252,43 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa", meta=Fals
     return critic
 
 
+def decoder_layers(model):
+    """The decoder layers of a causal LM or a critic (ValueModel)."""
+    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
+    return backbone.layers
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+COMPILED_HEAD = "mutis_compiled_head"  # the attribute compile_model sets; token_logprobs uses it when present
+
+
+def compiler_missing(device):
+    """Why torch.compile cannot build kernels for `device` here (None: it can): inductor writes Triton kernels
+    on CUDA and C++ on the CPU."""
+    import importlib.util
+    import shutil
+
+    if torch.device(device).type == "cuda":
+        return None if importlib.util.find_spec("triton") else "Triton is not installed"
+    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    return None if cxx and shutil.which(cxx) else "no C++ compiler (g++, c++, clang++ or $CXX) on the PATH"
+
+
+def compile_model(model, backend="inductor"):
+    """--compile: torch.compile each decoder layer's forward and the LM head + log-softmax (_head_chunk), in place.
+    Eager runs RMSNorm, rotary, SwiGLU and the fp32 log-softmax/entropy over the vocabulary as one memory-bound
+    kernel per op; compiled, each becomes a few fused kernels. Only `forward` is compiled, so FSDP2's hooks (which
+    gather and free each layer's parameters) and activation checkpointing stay eager around it, and state-dict
+    names are unchanged. The layers share one code object and one compiled graph; dynamic=True keeps the varying
+    packed length symbolic (no recompile per micro-batch)."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
+    if not isinstance(model, ValueModel):
+        setattr(model, COMPILED_HEAD, torch.compile(_head_chunk, dynamic=True, backend=backend))
+    return model
+
+
 # ----------------------------------------------------------------------------- log-probs
 
 def _head_chunk(hidden, weight, bias, targets, temperature, with_entropy):
@@ -291,12 +328,13 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
     hidden = captured["hidden"][0, mb["token_index"]]        # [N, H]: position p predicts token p+1
     targets = mb["input_ids"][0, mb["token_index"] + 1]      # [N]
     head = model.get_output_embeddings()
+    head_chunk = getattr(model, COMPILED_HEAD, _head_chunk)
     checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     logps, entropies = [], []
     for s in range(0, max(len(targets), 1), chunk_size):  # one empty chunk keeps the graph when N = 0
         args = (hidden[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature,
                 with_entropy)
-        logp, entropy = checkpoint(_head_chunk, *args, use_reentrant=False) if checkpointed else _head_chunk(*args)
+        logp, entropy = checkpoint(head_chunk, *args, use_reentrant=False) if checkpointed else head_chunk(*args)
         logps.append(logp)
         entropies.append(entropy)
     logp = packing.unpack(torch.cat(logps), mb)              # [b, r]

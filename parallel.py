@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cli import die
-from model import VALUE_HEAD_FILE, ValueModel
+from model import VALUE_HEAD_FILE, ValueModel, decoder_layers
 
 
 # ----------------------------------------------------------------------------- process group and collectives
@@ -69,11 +69,6 @@ def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _decoder_layers(model):
-    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
-    return backbone.layers
-
-
 def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):
     """FSDP2 in place: each decoder layer is one unit, the root (embeddings, norm, head; tied
     weights are one parameter, so they share the root unit) is another. mixed_precision=bf16:
@@ -90,7 +85,7 @@ def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, 
     if grad_checkpointing:  # HF recomputes each decoder layer in backward (only while model.train())
         backbone = model.backbone if isinstance(model, ValueModel) else model
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model

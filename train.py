@@ -43,8 +43,8 @@ import ppo
 import reward
 import rollout
 from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
-from model import (check_attn_implementation, end_of_turn_ids, load_causal_lm, load_critic, load_tokenizer, resolve_model,
-                   token_logprobs)
+from model import (check_attn_implementation, compile_model, compiler_missing, end_of_turn_ids, load_causal_lm, load_critic,
+                   load_tokenizer, resolve_model, token_logprobs)
 from logs import format_line, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
 from parallel import (all_reduce_dict, all_reduce_sum, barrier, check_shared_out, close_distributed, full_state_dict,
@@ -114,6 +114,9 @@ def parse_args(argv=None):
       help="validate before the first step")
     a("--resume", action="store_true", help="continue from OUT/latest")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
+    a("--compile", action="store_true",
+      help="torch.compile the decoder layers and the log-prob head: fused norms, rotary, SwiGLU and log-softmax "
+           "(GPU; compiling takes a minute or so at the first micro-batches)")
     a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
       help="trainer compute dtype, params stay fp32 (auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16)")
@@ -448,6 +451,8 @@ def setup(args):
     run = SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
     keep_freed_memory(device)
     check_attn_implementation(args.attn_implementation, device)
+    if args.compile and compiler_missing(device):
+        die(f"--compile: {compiler_missing(device)}; run without --compile")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -525,6 +530,9 @@ def load_models(args, run):
     run.actor = load_sharded(causal_lm, run.model_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
     run.ref = load_sharded(causal_lm, run.model_path, run.device, **kw)
     run.ref.requires_grad_(False)
+    if args.compile:
+        compile_model(run.actor)
+        compile_model(run.ref)
     run.actor_opt = make_optimizer(run.actor, args.actor_lr, args.weight_decay)
     run.schedulers = [torch.optim.lr_scheduler.LambdaLR(run.actor_opt,
                                                         lr_lambda(run.total_steps, args.actor_warmup_ratio))]
@@ -533,6 +541,8 @@ def load_models(args, run):
         critic_path = resolve_model(args.critic_model or args.model)
         critic = functools.partial(load_critic, critic_path, attn_implementation=attn)
         run.critic = load_sharded(critic, critic_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
+        if args.compile:
+            compile_model(run.critic)
         run.critic_opt = make_optimizer(run.critic, args.critic_lr, args.weight_decay)
         run.schedulers.append(torch.optim.lr_scheduler.LambdaLR(run.critic_opt,
                                                                 lr_lambda(run.total_steps, args.critic_warmup_ratio)))
