@@ -11,6 +11,8 @@ model of the shape of --config (default: DeepSeek-R1-Distill-Qwen-1.5B, random w
   logprobs    the no-grad log-prob pass (packing.forward_pass + model.token_logprobs, as train.py's reference pass)
   update      train.ppo_update over two mini-batches (FSDP2 bf16 mixed precision, one rank), then again with
               activation checkpointing (--grad-checkpointing)
+  compiled    the variant with train.py's --compile (torch.compile of the decoder layers and the log-prob head); its
+              warm-up repetition includes compiling
   bare        the same tokens through the bare bf16 transformers model, one unpadded sequence at a time (forward,
               log-prob + entropy, backward), with and without checkpointing: what a hand-written loop would get
 
@@ -45,12 +47,14 @@ TINY = dict(R1_DISTILL_1_5B, hidden_size=64, intermediate_size=128, num_hidden_l
             num_key_value_heads=2, vocab_size=1000)
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
-# name -> (code: "after" | "before", attention, micro-batch: rows or None, tokens or None, run the bare model)
+# name -> (code: "after" | "before", attention, micro-batch: rows or None, tokens or None, run the bare model,
+#          torch.compile the layers and the log-prob head (--compile), run by default)
 VARIANTS = {
-    "before (padded, sdpa, 4 rows)": ("before", "sdpa", 4, None, False),
-    "packed varlen, 4 rows": ("after", "varlen", 4, None, True),
-    "packed varlen, 16k tokens": ("after", "varlen", None, 16384, False),
-    "packed sdpa, 4 rows": ("after", "sdpa", 4, None, False),
+    "before (padded, sdpa, 4 rows)": ("before", "sdpa", 4, None, False, False, True),
+    "packed varlen, 4 rows": ("after", "varlen", 4, None, True, False, True),
+    "packed varlen, 16k tokens": ("after", "varlen", None, 16384, False, False, True),
+    "packed varlen, 16k tokens, compiled": ("after", "varlen", None, 16384, False, True, True),
+    "packed sdpa, 4 rows": ("after", "sdpa", 4, None, False, False, False),  # measured 2x slower than varlen
 }
 
 
@@ -95,7 +99,7 @@ def local(t):
 
 def run_variant(name, args):
     """One variant in this process -> dict of measurements."""
-    which, attn, rows, tokens, bare_too = VARIANTS[name]
+    which, attn, rows, tokens, bare_too, compiled, _ = VARIANTS[name]
     code = load_code(args.before if which == "before" else None)
     parallel, train = code.parallel, code.train
     code.system.quiet_logs()
@@ -119,6 +123,9 @@ def run_variant(name, args):
     actor = parallel.shard(build(code, cfg, attn, device), mixed_precision=mp)
     ref = parallel.shard(build(code, cfg, attn, device), mixed_precision=mp)
     ref.requires_grad_(False)
+    if compiled:
+        code.model.compile_model(actor)
+        code.model.compile_model(ref)
     opt = train.make_optimizer(actor, 1e-6, 0.0)
     B = len(trajs)
     mask = batch["action_mask"].float()
@@ -127,13 +134,14 @@ def run_variant(name, args):
     minis = [perm[:B // 2], perm[B // 2:]]
     groups = phases.micro(batch, torch.arange(B))
     biggest = max(phases.counts(batch, [g])["computed"] for g in groups)  # padded code: rows x width
-    res = dict(variant=name, attention=attn, micro=f"{tokens} tokens" if tokens else f"{rows} rows",
+    res = dict(variant=name, attention=attn, micro=f"{tokens} tokens" if tokens else f"{rows} rows", compiled=compiled,
                tokens=sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs),
                padding=round(phases.padding(batch, groups), 4), micro_batches=len(groups), micro_tokens_max=biggest)
     fl_fwd, fl_upd = model_flops(cfg, trajs, False), model_flops(cfg, trajs, True)
 
     def timed(fn, reps=2):
-        """Run fn reps times (the first warms up: kernels, FSDP's lazy init, Adam state); the last one's seconds."""
+        """Run fn reps times (the first warms up: kernels, FSDP's lazy init, Adam state, torch.compile); the last
+        one's seconds."""
         for _ in range(reps):
             sync()
             t0 = time.perf_counter()
@@ -199,7 +207,7 @@ def run_variant(name, args):
 
 
 def table(results):
-    lines = [f"{'variant':34} {'pad':>5} {'phase':12} {'s':>6} {'tok/s':>8} {'TFLOP/s':>8} {'peak%':>6} "
+    lines = [f"{'variant':36} {'pad':>5} {'phase':12} {'s':>6} {'tok/s':>8} {'TFLOP/s':>8} {'peak%':>6} "
              f"{'peak GiB':>8} {'state':>6} {'grads':>6} {'act MiB/tok':>11}"]
     for r in results:
         for phase in ("logprobs", "update", "update_ckpt", "bare", "bare_ckpt"):
@@ -209,7 +217,7 @@ def table(results):
             share = f"{100 * p['peak_share']:5.1f}%" if p.get("peak_share") else "    -"
             mem = (f"{p['peak_gib']:8.1f} {p['state_gib']:6.1f} {p['grads_gib']:6.1f} {p['act_per_token_mib']:11.3f}"
                    if "peak_gib" in p else "")
-            lines.append(f"{r['variant']:34} {100 * r['padding']:4.1f}% {phase:12} {p['seconds']:6.2f} "
+            lines.append(f"{r['variant']:36} {100 * r['padding']:4.1f}% {phase:12} {p['seconds']:6.2f} "
                          f"{p['tokens_per_s']:8.0f} {p['tflops']:8.1f} {share} {mem}")
     return "\n".join(lines)
 
@@ -218,17 +226,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default=None, help="an earlier commit's files (git archive C | tar -x -C DIR): "
                                                   "adds its padded trainer as the 'before' variant")
-    p.add_argument("--variants", default=None, help="a subset, separated by ';': " + "; ".join(VARIANTS))
+    p.add_argument("--variants", default=None, help="separated by ';' (default: all but the last): "
+                                                    + "; ".join(VARIANTS))
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=150, help="seconds per variant")
+    p.add_argument("--timeout", type=float, default=150, help="seconds per variant (twice that for a compiled one)")
     p.add_argument("--out", default=None, help="write every measurement as JSON here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run this variant in this process
     args = p.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_variant(args.one, args)), flush=True)
         return
-    names = [v.strip() for v in args.variants.split(";")] if args.variants else list(VARIANTS)
+    names = [v.strip() for v in args.variants.split(";")] if args.variants else [v for v in VARIANTS if VARIANTS[v][6]]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
@@ -238,7 +247,7 @@ def main():
         cmd = [sys.executable, __file__, "--one", name, "--seed", str(args.seed)] + (["--smoke"] if args.smoke else [])
         cmd += ["--before", args.before] if args.before else []
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * (1 + VARIANTS[name][5]),
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         except subprocess.TimeoutExpired:
             print(f"[gpu_bench] {name}: over {args.timeout:.0f}s, skipped", file=sys.stderr, flush=True)

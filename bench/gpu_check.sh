@@ -3,17 +3,20 @@
 #
 #   bash bench/gpu_check.sh prepare   # here (any machine with models/smollm2-135m-instruct): writes
 #                                     # runs/gpu_check/models/ = SmolLM2's config + tokenizer, no weights (4 MB)
-#   bash bench/gpu_check.sh           # on the GPU machine (carry runs/gpu_check along)
+#   bash bench/gpu_check.sh           # on the GPU machine (carry runs/gpu_check along): all three parts
+#   bash bench/gpu_check.sh bench     # only part 1 (or: train, tests; several at once): one part per device call
+#                                     # keeps each call inside the device tool's 10-minute limit
 #
-# What it runs there (about 9 minutes on an H200; the device tool's whole lease is 15):
+# What it runs there (about 12 minutes on an H200 in all; the device tool's whole lease is 15):
 #   1. bench/gpu_bench.py: the trainer's log-prob pass and update on the R1-Distill-Qwen-1.5B shape, model TFLOP/s,
-#      share of the bf16 peak, memory per token, padding; with .before/ (git archive OLD | tar -x -C .before,
+#      share of the bf16 peak, memory per token, padding, eager and with --compile; with .before/ (git archive OLD | tar -x -C .before,
 #      carried along) the padded trainer of that commit too, for before/after in one run.
 #   2. torchrun --nproc_per_node 1 train.py --engine hf (one rank, NCCL, bf16 mixed precision) on a small random
 #      Llama (hidden 512, 8 layers; built there from the tokenizer) with --grad-checkpointing off and on, printing
-#      the peak CUDA memory of the PPO update and of the whole run: checkpointing must lower the update peak.
+#      the peak CUDA memory of the PPO update and of the whole run: checkpointing must lower the update peak; then
+#      once more with --compile added (it must run; its peak is printed).
 #   3. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
-# Environment: PYTHON (default python3), BENCH_TIMEOUT (330), STEP_TIMEOUT (240 per training run), TEST_TIMEOUT
+# Environment: PYTHON (default python3), BENCH_TIMEOUT (420), STEP_TIMEOUT (240 per training run), TEST_TIMEOUT
 # (300); OUT: a folder that gets gpu_bench.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +31,10 @@ if [[ "${1:-}" == "prepare" ]]; then
     du -sh "$WORK"
     exit 0
 fi
+PARTS=" ${*:-bench train tests} "
+for part in $PARTS; do
+    [[ $part =~ ^(bench|train|tests)$ ]] || { echo "gpu_check.sh: unknown part '$part' (prepare, bench, train, tests)"; exit 2; }
+done
 
 echo "== machine"
 nvidia-smi -L || echo "nvidia-smi: none"
@@ -84,19 +91,23 @@ print("PEAK " + json.dumps({"update_gib": round(max(peaks) / 2**30, 4), "run_gib
       flush=True)
 EOF
 
+if [[ $PARTS == *" bench "* ]]; then
 echo "== bench/gpu_bench.py: model TFLOP/s, memory per token, padding (before: .before/, an earlier commit, if present)"
 before=(); [[ -f .before/train.py ]] && before=(--before .before)
-timeout "${BENCH_TIMEOUT:-330}" "$PY" bench/gpu_bench.py "${before[@]}" --out "$WORK/gpu_bench.json" \
+timeout "${BENCH_TIMEOUT:-420}" "$PY" bench/gpu_bench.py "${before[@]}" --out "$WORK/gpu_bench.json" \
     || { echo "gpu_bench: FAILED or timed out"; fail=1; }
 [[ -n "${OUT:-}" && -f $WORK/gpu_bench.json ]] && cp "$WORK/gpu_bench.json" "$OUT/"
+fi
 
+if [[ $PARTS == *" train "* ]]; then
 echo "== train.py --engine hf, 1 rank, NCCL, bf16 mixed precision"
 declare -A PEAK
 for m in $MODELS; do
-    for gc in off on; do
+    for gc in off on compile; do
         out=$WORK/out-$(basename "$m")-$gc
         rm -rf "$out"
         flag=(); [[ $gc == on ]] && flag=(--grad-checkpointing)
+        [[ $gc == compile ]] && flag=(--grad-checkpointing --compile)
         t0=$(date +%s)
         timeout "${STEP_TIMEOUT:-240}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 "$WORK/peak.py" \
             --model "$m" --data arith_train --out "$out" --steps 2 --batch-size 4 --samples-per-prompt 2 \
@@ -104,7 +115,7 @@ for m in $MODELS; do
             --dtype bfloat16 --engine-dtype bfloat16 "${flag[@]}" > "$out.log" 2>&1
         rc=$?
         line=$(grep '^PEAK ' "$out.log" | tail -1)
-        echo "$(basename "$m") grad-checkpointing=$gc rc=$rc $(( $(date +%s) - t0 ))s ${line:-no PEAK line}"
+        echo "$(basename "$m") ${flag[*]:-no flags} rc=$rc $(( $(date +%s) - t0 ))s ${line:-no PEAK line}"
         grep '^step ' "$out.log" | tail -2
         if [[ $rc -ne 0 ]]; then tail -25 "$out.log"; fail=1; fi
         PEAK[$m-$gc]=$(echo "$line" | sed -n 's/.*"update_gib": \([0-9.]*\).*/\1/p')
@@ -116,12 +127,15 @@ for m in $MODELS; do
         [[ $verdict == OK* ]] || fail=1
     fi
 done
+fi
 
+if [[ $PARTS == *" tests "* ]]; then
 echo "== pytest: the files that need no vLLM"
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider tests/test_data.py tests/test_reward.py \
     tests/test_ppo.py tests/test_model.py tests/test_packing.py tests/test_engine.py tests/test_train_units.py \
-    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py \
+    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py \
     -k "not smollm2_generates" -rs 2>&1 | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
+fi
 echo "== gpu_check: $([[ $fail -eq 0 ]] && echo PASSED || echo FAILED)"
 exit $fail

@@ -16,6 +16,7 @@ tokens, a third of them with an intervention (12 context tokens, action mask 0) 
     python bench/train_bench.py --dtype float32 --micro-batch-size 4
     python bench/train_bench.py --glibc-default      # without system.keep_freed_memory (before/after)
     python bench/train_bench.py --code .before       # the padded trainer of an earlier commit
+    python bench/train_bench.py --compile            # train.py's --compile (the warm-up step compiles)
 """
 import argparse
 import importlib
@@ -59,6 +60,7 @@ def main():
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--code", default=None, help="import the trainer from this directory (an earlier commit's files)")
+    p.add_argument("--compile", action="store_true", help="train.py's --compile: actor and reference compiled")
     p.add_argument("--glibc-default", action="store_true",
                    help="leave glibc's malloc as it is (no system.keep_freed_memory), for a before/after")
     args = p.parse_args()
@@ -84,7 +86,8 @@ def main():
     cpu_flags = [f for f in ("avx512f", *S.CPU_BF16_FLAGS) if f in words]
     print(f"cpu: {cpu_name(S)} | flags: {' '.join(cpu_flags) or '-'} | threads {torch.get_num_threads()} | "
           f"dtype {dtype} ({why}) | freed memory {'kept' if kept else 'returned to the OS (glibc default)'} | "
-          f"code {args.code or 'this checkout'} ({'packed' if code.packing else 'padded'}, attention {attn})",
+          f"code {args.code or 'this checkout'} ({'packed' if code.packing else 'padded'}, attention {attn}"
+          f"{', compiled' if args.compile else ''})",
           flush=True)
 
     tokenizer = M.load_tokenizer(path)
@@ -92,6 +95,9 @@ def main():
     actor = parallel.shard(M.load_causal_lm(path, attn_implementation=attn).to(device))
     ref = parallel.shard(M.load_causal_lm(path, attn_implementation=attn).to(device))
     ref.requires_grad_(False)
+    if args.compile:
+        M.compile_model(actor)
+        M.compile_model(ref)
     opt = train.make_optimizer(actor, targs.actor_lr, targs.weight_decay)
     trajs = rollout_like(args.trajectories, bare.config.vocab_size, args.seed)
     batch = importlib.import_module("rollout").to_batch(trajs, tokenizer.pad_token_id)
@@ -146,7 +152,8 @@ def main():
     pad_up = phases.padding(batch, [g for mini in minis for g in phases.micro(batch, mini)])
 
     res = dict(dtype=dtype, cpu=cpu_name(S), bf16_flags=[f for f in cpu_flags if f in S.CPU_BF16_FLAGS],
-               code=args.code or "this checkout", attention=attn, freed_memory_kept=kept, tokens=real_tokens,
+               code=args.code or "this checkout", attention=attn, compiled=args.compile, freed_memory_kept=kept,
+               tokens=real_tokens,
                update_ratio=round(t_up_plain / t_up, 3), update_s=round(t_up, 2), update_plain_s=round(t_up_plain, 2),
                update_optimizer_s=round(t_opt, 2),
                update_ratio_without_optimizer=round(t_up_plain / max(t_up - t_opt, 1e-9), 3),
