@@ -85,6 +85,24 @@ def test_compiled_critic_values_and_gradients_equal_eager(tiny_model_dir):
     assert 0 < frames[0] <= frames[-1] < 2 * frames[0], frames
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen flash kernel runs on CUDA only")
+@needs_compiler
+def test_compiled_varlen_kernel_on_cuda_in_bf16(tiny_model_dir):
+    """The path --compile is for: bf16 on CUDA, where the layers trace through torch's varlen kernel (a custom op).
+    bf16 rounding differs between fused and unfused kernels, so the bound is loose (as the eager kernel's test)."""
+    eager = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="varlen").to("cuda")
+    compiled = copy.deepcopy(eager)
+    compiled.counter = CompileCounterWithBackend("inductor")
+    M.compile_model(compiled, backend=compiled.counter)
+    for seed, rows in BATCHES:
+        mb = packing.pack(trajectories(seed, rows), torch.arange(rows), "cuda")
+        want, got = (M.token_logprobs(m, mb, 0.7) for m in (eager, compiled))
+        assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+        got.sum().backward()
+    assert all(p.grad is not None for p in compiled.parameters())
+    assert 0 < compiled.counter.frame_count
+
+
 def train_args(model_dir, out, *extra):
     return ["--model", str(model_dir), "--data", "arith_train", "--out", str(out), "--steps", "1", "--batch-size", "4",
             "--samples-per-prompt", "2", "--max-turns", "1", "--turn-tokens", "8", "--micro-batch-size", "2",
