@@ -116,7 +116,7 @@ def parse_args(argv=None):
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
     a("--compile", action="store_true",
       help="torch.compile the decoder layers and the log-prob head: fused norms, rotary, SwiGLU and log-softmax "
-           "(GPU; compiling takes a minute or so at the first micro-batches)")
+           "(meant for GPUs; the first micro-batches pay for the compiling)")
     a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
       help="trainer compute dtype, params stay fp32 (auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16)")
