@@ -54,8 +54,6 @@ def close_distributed():
     after it is finalising and the process aborts ("terminate called without an active exception")."""
     import gc
 
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still uses it
         gc.collect()
@@ -64,8 +62,6 @@ def close_distributed():
 
 
 def _rank():
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0
 
 

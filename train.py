@@ -451,8 +451,8 @@ def setup(args):
     run = SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
     keep_freed_memory(device)
     check_attn_implementation(args.attn_implementation, device)
-    if args.compile and compiler_missing(device):
-        die(f"--compile: {compiler_missing(device)}; run without --compile")
+    if args.compile and (why := compiler_missing(device)):
+        die(f"--compile: {why}; run without --compile")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)

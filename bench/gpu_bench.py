@@ -246,11 +246,12 @@ def main():
     for name in names:
         cmd = [sys.executable, __file__, "--one", name, "--seed", str(args.seed)] + (["--smoke"] if args.smoke else [])
         cmd += ["--before", args.before] if args.before else []
+        timeout = args.timeout * (2 if VARIANTS[name][5] else 1)  # a compiled variant compiles first
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * (1 + VARIANTS[name][5]),
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         except subprocess.TimeoutExpired:
-            print(f"[gpu_bench] {name}: over {args.timeout:.0f}s, skipped", file=sys.stderr, flush=True)
+            print(f"[gpu_bench] {name}: over {timeout:.0f}s, skipped", file=sys.stderr, flush=True)
             continue
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

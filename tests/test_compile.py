@@ -49,15 +49,19 @@ def run_pair(eager, compiled, loss_fn, device):
     return frames
 
 
+def compiled_copy(model):
+    """A compiled deep copy of model whose .counter counts the frames inductor compiles."""
+    compiled = copy.deepcopy(model)
+    compiled.counter = CompileCounterWithBackend("inductor")
+    return M.compile_model(compiled, backend=compiled.counter)
+
+
 def pair(build, device):
     """(eager, compiled copy), activation checkpointing on in both: the update's --grad-checkpointing path."""
     eager = build().to(device).train()
     backbone = eager.backbone if isinstance(eager, M.ValueModel) else eager
     backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compiled = copy.deepcopy(eager)
-    compiled.counter = CompileCounterWithBackend("inductor")
-    M.compile_model(compiled, backend=compiled.counter)
-    return eager, compiled
+    return eager, compiled_copy(eager)
 
 
 @needs_compiler
@@ -91,9 +95,7 @@ def test_compiled_varlen_kernel_on_cuda_in_bf16(tiny_model_dir):
     """The path --compile is for: bf16 on CUDA, where the layers trace through torch's varlen kernel (a custom op).
     bf16 rounding differs between fused and unfused kernels, so the bound is loose (as the eager kernel's test)."""
     eager = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="varlen").to("cuda")
-    compiled = copy.deepcopy(eager)
-    compiled.counter = CompileCounterWithBackend("inductor")
-    M.compile_model(compiled, backend=compiled.counter)
+    compiled = compiled_copy(eager)
     for seed, rows in BATCHES:
         mb = packing.pack(trajectories(seed, rows), torch.arange(rows), "cuda")
         want, got = (M.token_logprobs(m, mb, 0.7) for m in (eager, compiled))
