@@ -46,10 +46,15 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
     as they are (a generator of tensors, a closure), nothing serialised.
       op="reload": load full (name, tensor) pairs in HF names, in place, through the worker's reload_weights
         (model.load_weights fails after start-up on the CPU backend: weights are repacked at load).
-      op="shutdown": stop the engine core (LLM has no close())."""
+      op="shutdown": stop the engine core (LLM has no close()).
+      op="activation_peak": the GPU worker's profiled activation peak (peak_activation_memory, set by
+        determine_available_memory), which its KV cache was sized to leave room for."""
     if op == "shutdown":
         llm.llm_engine.engine_core.shutdown()
         return
+    if op == "activation_peak":  # bytes, or None where the worker has no such measure (CPU, other versions)
+        peaks = llm.collective_rpc(lambda worker: getattr(worker, "peak_activation_memory", None))
+        return peaks[0] if peaks else None
     assert op == "reload", op
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
     if repack_tied_head:
@@ -136,6 +141,10 @@ class VLLMEngine:
         self.utilization = gpu_memory_utilization
         self.asleep = set()   # what is not mapped: {} awake, {"kv_cache"}, or {"weights", "kv_cache"}
         self.asleep_bytes = 0  # what sleeping freed and waking maps back (measured), for the memory guard
+        # generate's activations come from PyTorch's allocator, outside what sleep frees: the guard counts them too.
+        # Without vLLM's profiled figure, the start-up reservation minus what the first sleep freed bounds them.
+        self.activation_peak = None if self.on_cpu else _vllm_internal(self.llm, "activation_peak")
+        self.reserved = 0 if self.on_cpu else math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
         self.calls = 0  # request ids: f'{call}-{i}'
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
@@ -201,6 +210,8 @@ class VLLMEngine:
             self.llm.sleep(level=2)
             self.asleep = {"weights", "kv_cache"}
         self.asleep_bytes += max(self._free_bytes() - before, 0)
+        if self.activation_peak is None and "weights" in self.asleep:  # an upper bound: also CUDA graphs, NCCL
+            self.activation_peak = max(self.reserved - self.asleep_bytes, 0)
 
     @staticmethod
     def _empty_cache():
@@ -213,19 +224,20 @@ class VLLMEngine:
     def _free_bytes():
         return torch.cuda.mem_get_info()[0]
 
-    def _check_memory(self, when, need):
-        """Die in one line (model.engine_memory_error) when vLLM's `need` bytes are not free, before it fails with
-        a bare CUDA out-of-memory error."""
+    def _check_memory(self, when, need, peak=0):
+        """Die in one line (model.engine_memory_error) when vLLM's `need` + `peak` bytes are not free, before it
+        fails with a bare CUDA out-of-memory error."""
         self._empty_cache()
         free, total = torch.cuda.mem_get_info()
-        msg = engine_memory_error(when, need, free, total, torch.cuda.memory_reserved(), self.utilization)
+        msg = engine_memory_error(when, need, free, total, torch.cuda.memory_reserved(), self.utilization, peak)
         if msg:
             die(msg)
 
     def _wake(self, tag):
-        """Map `tag` again (weights or kv_cache), checking first that everything still asleep fits: the KV cache
-        follows the weights before the next generate, so a short device fails at the first of the two."""
-        self._check_memory("wake", self.asleep_bytes)
+        """Map `tag` again (weights or kv_cache), checking first that everything still asleep fits with generate's
+        activation peak: the KV cache follows the weights before the next generate, so a short device fails at the
+        first of the two."""
+        self._check_memory("wake", self.asleep_bytes, self.activation_peak or 0)
         before = self._free_bytes()
         self.llm.wake_up(tags=[tag])
         self.asleep.discard(tag)
@@ -276,7 +288,8 @@ class HFEngine:
         self.device = default_device(device)
         if attn_implementation == "varlen":  # the trainer's kernel for packed rows; generation pads and masks
             attn_implementation = "sdpa"
-        self.model = load_causal_lm(model_path, dtype=getattr(torch, dtype),
+        self.dtype = getattr(torch, dtype)
+        self.model = load_causal_lm(model_path, dtype=self.dtype,
                                     attn_implementation=attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings

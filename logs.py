@@ -11,6 +11,7 @@ import torch
 
 from packing import padding_counts
 from parallel import all_reduce_dict
+from perf import forward_flops
 from system import peak_rss_gb
 
 
@@ -29,6 +30,7 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
     pad_up = padding_counts(batch, update_groups)
     gap = 0.0 if old_logprobs is None else float((batch["rollout_logprobs"] - old_logprobs).abs()[act].sum())
     t = all_reduce_dict({
+        **phase_flops(run, args, batch),
         "pad_lp": pad_lp["padding"], "computed_lp": pad_lp["computed"],
         "pad_up": pad_up["padding"], "computed_up": pad_up["computed"],
         "score": sum(r["score"] for r in results), "acc": sum(r["acc"] for r in results), "count": len(trajs),
@@ -49,11 +51,27 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
                "throughput/tokens_per_s": t["tokens"] / timer["step"], "system/peak_rss_gb": peak_rss_gb()}
     if run.critic is not None:
         metrics["critic/lr"] = run.schedulers[1].get_last_lr()[0]
+    for phase in ("logprobs", "update"):  # model TFLOP/s per rank: every rank's FLOPs over its share of the time
+        tflops = t[f"flops_{phase}"] / run.world / max(timer[phase], 1e-9) / 1e12
+        metrics[f"perf/tflops/{phase}"] = tflops
+        if run.peak_tflops:
+            metrics[f"perf/mfu/{phase}"] = tflops / run.peak_tflops
     for key in sorted({k for s in stats for k in s}):  # a skipped update leaves its statistics out
         kept = [s[key] for s in stats if key in s and math.isfinite(s[key])]
         metrics[key] = float(np.mean(kept)) if kept else float("nan")
     metrics.update({f"time/{k}": v for k, v in timer.items()})
     return metrics
+
+
+def phase_flops(run, args, batch):
+    """This rank's model FLOPs (perf.py) of the step's no-grad passes (reference, old log-probs unless the update
+    supplies them, values) and of its update (actor and critic, forward + backward, every PPO epoch)."""
+    seq = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)                        # [B]
+    resp = batch["response_mask"].sum(1)                                                    # [B]
+    actor = forward_flops(run.flops["actor"], seq, resp)
+    critic = forward_flops(run.flops["critic"], seq, resp) if "critic" in run.flops else 0.0
+    return {"flops_logprobs": actor * (1 if run.reuse_old else 2) + critic,
+            "flops_update": 3 * (actor + critic) * args.ppo_epochs}
 
 
 def make_logger(args, out):
@@ -86,6 +104,7 @@ def format_line(m, total_steps):
             f"| kl {m['kl/mean']:.4f} pg {m.get('loss/pg', 0):.4f} vf {m.get('loss/vf', 0):.4f} "
             f"clip {m.get('actor/clipfrac', 0):.3f} ent {m.get('actor/entropy', 0):.3f} gn {m['actor/grad_norm']:.2f} "
             f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s "
+            + (f"mfu {m['perf/mfu/update']:.0%} " if "perf/mfu/update" in m else "") +
             f"pad {m['padding/logprobs']:.0%}/{m['padding/update']:.0%}")
     if "val/acc" in m:
         line += f" | val acc {m['val/acc']:.3f} len {m['val/response_length']:.0f} ({m['time/validate']:.0f}s)"

@@ -193,11 +193,46 @@ def _on_meta(auto_cls, path, dtype, attn):
         return auto_cls.from_config(AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation=attn)
 
 
+def unsupported_features(config, attn_implementation, head=True):
+    """What the trainer would silently compute differently from the model's own definition -> list of strings:
+    under varlen attention a sliding window (Mistral-7B-v0.1, Gemma 2, Qwen2 with use_sliding_window) or attention
+    logit soft-capping (Gemma 2); with an LM head (token_logprobs computes the logits itself) final-logit
+    soft-capping. Attention sinks (gpt-oss) arrive only at run time: packing.varlen_attention refuses them there."""
+    found = []
+    if attn_implementation == packing.VARLEN:
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            sliding = any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
+        else:
+            sliding = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+        if sliding:
+            found.append(f"sliding-window attention (sliding_window={getattr(config, 'sliding_window', None)})")
+        if getattr(config, "attn_logit_softcapping", None):
+            found.append(f"attention logit soft-capping ({config.attn_logit_softcapping})")
+    if head and getattr(config, "final_logit_softcapping", None):
+        found.append(f"final logit soft-capping ({config.final_logit_softcapping})")
+    return found
+
+
+def refuse_unsupported(path, attn_implementation, head=True):
+    """One line naming the model and what it needs (unsupported_features), before any weight is read."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config
+    if found := unsupported_features(config, attn_implementation, head):
+        hint = ("; use --attn-implementation sdpa" if any(not f.startswith("final") for f in found)
+                else ": this model cannot be trained here")
+        die(f"{path}: the trainer does not compute {' or '.join(found)}{hint}")
+
+
 def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa", meta=False):
     """The causal LM at `path`; meta=True builds it from its config on the meta device, reading no weights
-    (parallel.load_sharded then fills each rank's shard)."""
+    (parallel.load_sharded then fills each rank's shard). An attention the implementation does not compute: one
+    line (refuse_unsupported; the log-prob head is checked where token_logprobs will run: train.py)."""
     from transformers import AutoModelForCausalLM
 
+    refuse_unsupported(path, attn_implementation, head=False)
     attn = _attention(attn_implementation)
     if meta:
         return _on_meta(AutoModelForCausalLM, path, dtype, attn)
@@ -241,6 +276,7 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa", meta=Fals
     from safetensors.torch import load_file
     from transformers import AutoModel
 
+    refuse_unsupported(path, attn_implementation, head=False)
     attn = _attention(attn_implementation)
     if meta:
         return ValueModel(_on_meta(AutoModel, path, dtype, attn))
@@ -318,6 +354,8 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
     path.
     """
     assert temperature > 0, "greedy rollouts have no log-probs to match: use temperature > 0"
+    if unsupported := unsupported_features(model.config, None):
+        raise ValueError(f"token_logprobs does not compute {unsupported[0]}")
     captured = {}
     hook = model.base_model.register_forward_hook(
         lambda module, args, out: captured.__setitem__("hidden", out.last_hidden_state))
@@ -341,18 +379,20 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
     return (logp, packing.unpack(torch.cat(entropies), mb)) if with_entropy else logp
 
 
-def engine_memory_error(when, need, free, total, trainer, utilization):
-    """The engine's memory guard, pure arithmetic on bytes -> None when vLLM's `need` fits in `free`, else the one
-    line to die with (the numbers in GiB and the flag to change), instead of a CUDA traceback later.
+def engine_memory_error(when, need, free, total, trainer, utilization, peak=0):
+    """The engine's memory guard, pure arithmetic on bytes -> None when vLLM's `need` + `peak` fit in `free`, else the
+    one line to die with (the numbers in GiB and the flag to change), instead of a CUDA traceback later.
       when="start": vLLM 0.32 reserves gpu_memory_utilization x TOTAL device memory (not x free) and refuses to
         start unless that much is free (v1/worker/utils.py, request_memory), whatever the trainer already holds:
         need = ceil(utilization x total).
-      when="wake": need = what the engine's sleep freed and waking maps back (weights and KV cache, measured),
+      when="wake": need = what the engine's sleep freed and waking maps back (weights and KV cache, measured);
+        peak = the activation peak vLLM profiled at start-up and sized its KV cache around (v1/worker/gpu_worker.py,
+        peak_activation_memory): generate allocates it through PyTorch's allocator, outside the sleep pools. Both
         against what is free once PyTorch's cache is emptied: by then the trainer also holds gradients and Adam
         state, which the start-up check never saw.
     trainer: bytes PyTorch holds in this process (for the message). --grad-checkpointing is no remedy at either
     point: it lowers the update's activation peak, which is freed before both checks."""
-    if need <= free:
+    if need + peak <= free:
         return None
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     held = (f"only {gib(free)} of {gib(total)} is free (this trainer holds {gib(trainer)}, other processes "
@@ -362,9 +402,9 @@ def engine_memory_error(when, need, free, total, trainer, utilization):
     if when == "start":
         return (f"vLLM cannot start: --gpu-memory-utilization {utilization:g} x {gib(total)} = {gib(need)} must be "
                 f"free, but {held}: {lower} (a smaller KV cache), or pass --offload (the trainer's weights on the CPU)")
-    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)}, but {held}: pass --offload (parameters, "
-            f"gradients and Adam state on the CPU), or lower --gpu-memory-utilization from {utilization:g} "
-            f"(a smaller KV cache)")
+    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)} and its forward passes up to "
+            f"{gib(peak)} more, but {held}: pass --offload (parameters, gradients and Adam state on the CPU), or "
+            f"lower --gpu-memory-utilization from {utilization:g} (a smaller KV cache)")
 
 
 def main():

@@ -143,20 +143,25 @@ def forward_pass(fn, batch, autocast, device, size=None, tokens=None, desc=None)
 # ----------------------------------------------------------------------------- attention over packed rows
 
 def _torch_varlen():
-    """torch's varlen flash-attention entry (2.10+) as f(q, k, v, cu, max_len, scale, gqa) -> out, or None."""
+    """torch's varlen flash-attention entry (2.10+) as f(q, k, v, cu, max_len, scale, gqa) -> out, or None. Its
+    signature moved between releases: 2.10 has `is_causal` and no `scale` (always head_dim ** -0.5), 2.11 has
+    `window_size` and `scale`; run.takes_scale says whether another scaling can be passed."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # 2.11 / 2.10
-    has_gqa = "enable_gqa" in params
+    has_gqa, takes_scale = "enable_gqa" in params, "scale" in params
 
     def run(q, k, v, cu, max_len, scale, groups):
         if groups > 1 and not has_gqa:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **gqa)
+        extra = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+        if takes_scale:
+            extra["scale"] = scale
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
+    run.takes_scale = takes_scale
     return run
 
 
@@ -169,12 +174,47 @@ def _varlen_kernel():
     return _VARLEN_KERNEL[0]
 
 
+def kernel_takes(kernel, scaling, head_dim):
+    """Can `kernel` (_torch_varlen's run) compute this attention? A kernel without a `scale` argument only where the
+    model's scaling is its default, head_dim ** -0.5."""
+    return kernel is not None and (kernel.takes_scale or scaling is None
+                                   or abs(scaling - head_dim ** -0.5) <= 1e-6 * head_dim ** -0.5)
+
+
+_BOUNDS = [None, None]  # (cu_seq_lens tensor, its host list): one device sync per forward, not one per layer
+
+
+def _bounds(cu):
+    if _BOUNDS[0] is not cu:
+        _BOUNDS[:] = [cu, cu.tolist()]
+    return _BOUNDS[1]
+
+
 @torch.compiler.disable  # a Python loop over the sequences: run as is, not traced again for every sequence count
 def _per_sequence_sdpa(query, key, value, cu, scaling):
-    bounds, gqa = cu.tolist(), query.shape[1] != key.shape[1]
+    bounds, groups = _bounds(cu), query.shape[1] // key.shape[1]
+    # On CPU, SDPA's GQA is a fused path. On a GPU, flash and cuDNN take no fp32 and the memory-efficient kernel no
+    # GQA: with enable_gqa, fp32 would fall to the math backend and its [Hq, s, s] fp32 scores. Expand k/v instead.
+    gqa = groups > 1 and query.device.type == "cpu"
+    if groups > 1 and not gqa:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)  # [1, Hq, T, D]
     return torch.cat([F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
                                                      is_causal=True, scale=scaling, enable_gqa=gqa)
                       for s, e in zip(bounds[:-1], bounds[1:])], 2)              # [1, Hq, T, D]
+
+
+# Attention variants a model may ask for that varlen_attention does not compute: refused, never dropped
+UNSUPPORTED = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
+               "s_aux": "attention sinks"}
+
+
+def unsupported_variant(module, kwargs):
+    """The first attention variant this call asks for that varlen_attention cannot compute, or None. Models pass
+    them as keywords (Mistral: sliding_window=, Gemma 2: softcap=, gpt-oss: s_aux=) or hold them on the module."""
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None or getattr(module, name, None) is not None:
+            return f"{what} ({name}={kwargs.get(name, getattr(module, name, None))!r})"
+    return None
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
@@ -185,12 +225,13 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     cross-sequence scores either. Without cu_seq_lens_q the row is one sequence."""
     if query.shape[0] != 1 or attention_mask is not None:
         raise ValueError("--attn-implementation varlen takes packed rows (packing.pack) without an attention mask")
-    if getattr(module, "sliding_window", None):
-        raise ValueError("--attn-implementation varlen has no sliding-window attention; use sdpa")
+    if variant := unsupported_variant(module, kwargs):
+        raise ValueError(f"--attn-implementation varlen has no {variant}; use sdpa")
     T, hq, hkv = query.shape[2], query.shape[1], key.shape[1]
     cu = cu_seq_lens_q if cu_seq_lens_q is not None else torch.tensor([0, T], dtype=torch.int32, device=query.device)
     kernel = _varlen_kernel()
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kernel is not None:
+    if (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and kernel_takes(kernel, scaling, query.shape[-1])):
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
         return kernel(q, k, v, cu, max_length_q or T, scaling, hq // hkv)[None], None
     return _per_sequence_sdpa(query, key, value, cu, scaling).transpose(1, 2).contiguous(), None

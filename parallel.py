@@ -306,21 +306,38 @@ def load_checkpoint(path, models):
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def full_state_dict(model):
+def full_state_dict(model, dtype=None):
     """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()
     is a collective: every rank must iterate). FSDP2 keeps the HF names. Tied weights appear once, under
-    their first name (embed_tokens). --offload on GPUs: each CPU shard moves to the GPU first and is gathered
-    there (NCCL), as TRL and veRL do, not over gloo between host copies; one tensor at a time, so the GPU holds
-    one shard and one full tensor beyond the model's own shards."""
+    their first name (embed_tokens). dtype: floating tensors cast to it (the engine's) shard by shard, before the
+    gather: a bf16 engine then moves half of the fp32 master weights' bytes and never holds a full fp32 copy.
+    --offload on GPUs: each CPU shard moves to the GPU first and is gathered there (NCCL), as TRL and veRL do, not
+    over gloo between host copies; one tensor at a time, so the GPU holds one shard and one full tensor beyond the
+    model's own shards."""
     from torch.distributed.tensor import DTensor
 
     for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         if isinstance(tensor, DTensor):
             mesh_device = tensor.device_mesh.device_type  # "cuda" for FSDP2 on GPUs, offloaded or not
             if tensor.device.type != mesh_device:
                 tensor = tensor.to(mesh_device)  # the current device (init_distributed set it)
             tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+        yield name, tensor
+
+
+def reshard(*models):
+    """Free the gathered parameters FSDP2 keeps after a forward without backward. It reshards a root module only in
+    backward (the layers it reshards after each forward), so after a no-grad pass the embedding, final norm and head
+    stay gathered on every rank -- for the reference, which never runs backward, for the whole run -- in the memory
+    the engine wakes into next."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        if isinstance(model, FSDPModule):
+            model.reshard()
 
 
 def _gather_to_cpu(model, dtype):

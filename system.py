@@ -1,11 +1,13 @@
 """System helpers: the compute dtype (CPU bf16 probing), a quiet console (vLLM log filtering), glibc malloc
-tuning and peak memory. Imports nothing of ours."""
+tuning and peak memory. Imports only cli (one-line errors)."""
 import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from cli import die
 
 
 # ----------------------------------------------------------------------------- compute dtype
@@ -66,18 +68,45 @@ def default_device(device=None):
     return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cuda_bf16_native(device):
+    """(native, reason): does this GPU compute bf16 itself? torch.cuda.is_bf16_supported() also counts emulation
+    (true on V100/T4), where vLLM refuses bf16 (compute capability < 8.0) and the flash kernels need Ampere: ask
+    without emulation where torch takes the argument (2.3+), and on NVIDIA require compute capability 8.0."""
+    import inspect
+
+    name = torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = torch.cuda.is_bf16_supported()
+    if torch.version.hip is None:
+        native = native and major >= 8
+    where = f"{name} (compute capability {major}.{minor})"
+    return native, f"{where} with bf16" if native else f"{where} without native bf16"
+
+
 def choose_dtype(requested="auto", device=None, engine=None):
-    """The compute dtype -> (name, reason). Explicit values pass through ("requested"). 'auto': bf16 on a CUDA
-    device that supports it, on a CPU only where the processor computes bf16 natively (cpu_bf16_native),
-    float32 elsewhere. engine='hf' (the debugging engine) keeps float32 unless asked. device: where the model
-    runs (default: cuda when available, else cpu) -- the trainer's device, or the vLLM engine's."""
+    """The compute dtype -> (name, reason). Explicit values pass through ("requested"), except bf16 on a GPU that
+    would only emulate it (one line). 'auto': bf16 where the device computes it natively (cuda_bf16_native,
+    cpu_bf16_native); on an older GPU float16 for the vLLM engine (inference needs no loss scaling) and float32
+    for the trainer (this trainer has no fp16 loss scaling); float32 elsewhere. engine='hf' (the debugging
+    engine) keeps float32 unless asked. device: where the model runs (default: cuda when available, else cpu)
+    -- the trainer's device, or the vLLM engine's. A refusal is one line naming --dtype (--engine-dtype with
+    an engine)."""
+    device = default_device(device)
     if requested != "auto":
+        if requested == "bfloat16" and device.type == "cuda" and not (native := cuda_bf16_native(device))[0]:
+            die(f"{'--engine-dtype' if engine else '--dtype'} bfloat16: {native[1]}, which would emulate it; "
+                f"use auto (float16 for the engine, float32 for the trainer) or float32")
         return requested, "requested"
     if engine == "hf":
         return "float32", "hf engine: float32 unless asked"
-    device = default_device(device)
     if device.type == "cuda":
-        return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float32", "CUDA without bf16")
+        native, reason = cuda_bf16_native(device)
+        if native:
+            return "bfloat16", reason
+        return ("float16", reason + ": float16 for inference") if engine == "vllm" else ("float32", reason)
     if device.type != "cpu":
         return "float32", f"{device.type} device"
     native, reason = cpu_bf16_native()
@@ -133,6 +162,20 @@ def quiet_logs(verbose=False):
         return
     hf_logging.set_verbosity_warning()
     hf_logging.disable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- threads
+
+def trainer_threads(requested=None):
+    """CPU threads for the trainer's own CPU work (--offload's AdamW step, CPU training): `requested`, else the cores
+    this process may run on shared by the ranks of its node (torchrun's LOCAL_WORLD_SIZE). Read it before the engine
+    starts and set it after: vLLM's GPU worker sets one thread unless OMP_NUM_THREADS is set
+    (vllm/utils/torch_utils.py), torchrun sets OMP_NUM_THREADS=1 for several ranks, and vLLM's CPU worker may narrow
+    this process's CPU affinity to its own cores."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1))
 
 
 # ----------------------------------------------------------------------------- memory

@@ -21,35 +21,27 @@ the sums running over every rank's action tokens of a mini-batch (token-mean; ac
 With gae and rloo the KL to the reference is a per-token reward instead: r_t = score [t = last] - beta KL_t.
 """
 import argparse
-import functools
-import json
 import math
-import random
 import signal
 import sys
 import time
-from contextlib import nullcontext
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import data as data_lib
-import engines
 import ppo
 import reward
 import rollout
-from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
-from model import (check_attn_implementation, compile_model, compiler_missing, end_of_turn_ids, load_causal_lm, load_critic,
-                   load_tokenizer, resolve_model, token_logprobs)
+from cli import ArgumentParser, deprecated, die, positive_int
+from model import token_logprobs
 from logs import format_line, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
-from parallel import (all_reduce_dict, all_reduce_sum, barrier, check_shared_out, close_distributed, full_state_dict,
-                      init_distributed, load_checkpoint, load_sharded, save_checkpoint)
-from system import choose_dtype, keep_freed_memory, quiet_logs
+from parallel import (all_reduce_dict, all_reduce_sum, barrier, close_distributed, full_state_dict, reshard,
+                      save_checkpoint)
+from system import quiet_logs
+from trainer_setup import models_and_optimisers, resume, setup, trainer_state
 
 
 def parse_args(argv=None):
@@ -118,6 +110,11 @@ def parse_args(argv=None):
       help="torch.compile the decoder layers and the log-prob head: fused norms, rotary, SwiGLU and log-softmax "
            "(meant for GPUs; the first micro-batches pay for the compiling)")
     a("--offload", action="store_true", help="FSDP2 CPU offload of parameters and optimiser state")
+    a("--cpu-threads", type=positive_int, default=None,
+      help="threads of the trainer's CPU work (--offload's optimiser step, CPU training); default: the cores this "
+           "process may use, divided by the ranks on its node")
+    a("--peak-tflops", type=float, default=None,
+      help="the device's dense bf16 peak in TFLOP/s for perf/mfu (default: known for common NVIDIA GPUs, else none)")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
       help="trainer compute dtype, params stay fp32 (auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16)")
     a("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for the slowest rank (NCCL "
@@ -140,6 +137,8 @@ def check_args(args):
             f"got {args.samples_per_prompt}")
     if args.length_coef < 0:
         die(f"--length-coef must be >= 0, got {args.length_coef}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        die(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.dist_timeout <= 0:
         die(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     if args.rollout_is_cap < 0 or 0 < args.rollout_is_cap < 1:
@@ -207,7 +206,7 @@ def main(argv=None):
 
         # ---- 6. sync the new weights into the engine
         with timed(timer, "sync"):
-            run.engine.sync_weights(full_state_dict(run.actor))  # wakes the weights only; KV cache: in generate
+            run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype))  # wakes the weights; KV: in generate
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step
@@ -286,6 +285,7 @@ def no_grad_passes(run, args, batch, bar):
     values = None
     if run.critic is not None:
         values = forward_pass(run.critic, batch, **fwd, desc=bar("values"))
+    reshard(run.ref, run.actor, run.critic)  # no backward follows these passes to free the gathered root parameters
     return ref, old, values
 
 
@@ -441,155 +441,6 @@ def validate(run, args):
     return {"val/acc": t["acc"] / t["count"], "val/response_length": t["tokens"] / t["count"],
             "val/turns": t["turns"] / t["count"], "val/answered": t["answered"] / t["count"],
             "time/validate": time.time() - t0}
-
-
-# ----------------------------------------------------------------------------- setup and resume
-
-def setup(args):
-    """Process group, dtypes, data (tokenised and checked up front), models and the colocated engine -> run."""
-    rank, world, local_rank, device = init_distributed(timeout=args.dist_timeout)
-    run = SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
-    keep_freed_memory(device)
-    check_attn_implementation(args.attn_implementation, device)
-    if args.compile and (why := compiler_missing(device)):
-        die(f"--compile: {why}; run without --compile")
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    if args.batch_size % world:
-        die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
-    rollouts = args.batch_size * args.samples_per_prompt
-    run.mini_size = args.mini_batch_size or (rollouts // 2 if rollouts % (2 * world) == 0 else rollouts)
-    if run.mini_size % world or rollouts % run.mini_size:
-        die(f"--mini-batch-size {run.mini_size} must divide batch-size x samples-per-prompt ({rollouts}) and be "
-            f"divisible by the number of ranks ({world})")
-    # One optimiser step per batch and advantages that ignore pi_old (grpo): the old log-probs are exactly the
-    # ones the update's own forward computes, so that forward pass is skipped
-    run.reuse_old = args.adv == "grpo" and args.ppo_epochs == 1 and run.mini_size == rollouts
-    if run.master and run.reuse_old:
-        print("[setup] old log-probs: taken from the update's forward (grpo, one optimiser step per batch), "
-              "one forward pass per step saved", flush=True)
-    if run.master:
-        run.out.mkdir(parents=True, exist_ok=True)
-    check_shared_out(run.out, rank, world, device)
-    args.dtype, dtype_why = choose_dtype(args.dtype, device)
-    args.engine_dtype, engine_dtype_why = choose_dtype(args.engine_dtype, device, engine=args.engine)
-    if run.master:
-        print(f"[setup] dtype {args.dtype} ({dtype_why}); {args.engine} engine dtype {args.engine_dtype} "
-              f"({engine_dtype_why})", flush=True)
-    run.autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bfloat16"
-                    else nullcontext)
-    load_data(args, run)
-    load_models(args, run)
-    # ---- the rollout engine, colocated on this rank
-    run.intervention_ids = rollout.intervention_ids(run.tokenizer, args.intervention_text)
-    args.max_response_tokens = rollout.sample_kwargs(args, run.intervention_ids)["max_response_tokens"]
-    longest_prompt = max(len(p) for p in run.train_prompts + run.val_prompts)
-    run.engine = engines.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     max_model_len=longest_prompt + args.max_response_tokens,
-                                     enforce_eager=args.enforce_eager, distributed=world > 1,
-                                     attn_implementation=args.attn_implementation)  # every rank, after the group
-    run.eos_ids = end_of_turn_ids(run.model_path, run.tokenizer)
-    return run
-
-
-def load_data(args, run):
-    """Training and validation records, tokenised once up front: a prompt over --max-prompt-length fails now,
-    not hours in. Every rank loads the same data and later takes its own shard of each batch."""
-    try:
-        run.train_records = data_lib.load_dataset(args.data, system_prompt=args.system_prompt)
-        run.val_records = (data_lib.load_dataset(args.val_data, system_prompt=args.system_prompt, limit=args.val_limit)
-                           if args.val_data else [])
-    except data_lib.DataError as e:
-        die(str(e))
-    run.model_path = resolve_model(args.model)
-    run.tokenizer = load_tokenizer(run.model_path)
-    try:
-        run.train_prompts, n_cut = rollout.tokenize_prompts(run.tokenizer, run.train_records, args.max_prompt_length,
-                                                            args.truncate_prompts)
-        run.val_prompts, _ = rollout.tokenize_prompts(run.tokenizer, run.val_records, args.max_prompt_length,
-                                                      args.truncate_prompts)
-    except rollout.PromptTooLong as e:
-        die(f"--data: {e}")
-    if n_cut and run.master:
-        print(f"[data] left-truncated {n_cut} prompts to {args.max_prompt_length} tokens", flush=True)
-    run.steps_per_epoch = len(run.train_records) // args.batch_size
-    if run.steps_per_epoch == 0:
-        die(f"--data {args.data}: {len(run.train_records)} prompts, fewer than --batch-size {args.batch_size}")
-    run.total_steps = args.steps or run.steps_per_epoch * args.epochs
-
-
-def load_models(args, run):
-    """Actor, frozen reference, critic (gae only): fp32 master weights, FSDP2-sharded; optimisers, LR schedules,
-    the KL controller."""
-    mp = torch.bfloat16 if (args.dtype == "bfloat16" and run.device.type == "cuda") else None
-    kw = dict(mixed_precision=mp, offload=args.offload)
-    attn = args.attn_implementation
-    causal_lm = functools.partial(load_causal_lm, run.model_path, attn_implementation=attn)  # (meta) -> model
-    run.actor = load_sharded(causal_lm, run.model_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
-    run.ref = load_sharded(causal_lm, run.model_path, run.device, **kw)
-    run.ref.requires_grad_(False)
-    if args.compile:
-        compile_model(run.actor)
-        compile_model(run.ref)
-    run.actor_opt = make_optimizer(run.actor, args.actor_lr, args.weight_decay)
-    run.schedulers = [torch.optim.lr_scheduler.LambdaLR(run.actor_opt,
-                                                        lr_lambda(run.total_steps, args.actor_warmup_ratio))]
-    run.critic = run.critic_opt = None
-    if args.adv == "gae":
-        critic_path = resolve_model(args.critic_model or args.model)
-        critic = functools.partial(load_critic, critic_path, attn_implementation=attn)
-        run.critic = load_sharded(critic, critic_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
-        if args.compile:
-            compile_model(run.critic)
-        run.critic_opt = make_optimizer(run.critic, args.critic_lr, args.weight_decay)
-        run.schedulers.append(torch.optim.lr_scheduler.LambdaLR(run.critic_opt,
-                                                                lr_lambda(run.total_steps, args.critic_warmup_ratio)))
-    run.kl_ctl = (ppo.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
-                  else ppo.FixedKLController(args.kl_coef))
-
-
-def make_optimizer(model, lr, weight_decay):
-    """AdamW over the FSDP2 shards. foreach: torch otherwise steps DTensor parameters one at a time, an order of
-    magnitude slower on CPU; the result is the same."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
-
-
-def lr_lambda(total_steps, warmup_ratio):
-    warmup = int(total_steps * warmup_ratio)
-    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-
-
-def resume(args, run):
-    """Continue from OUT/latest when it exists -> the step it holds (0 when there is none)."""
-    if not (run.out / "latest").exists():
-        if run.master:  # say so: a mistyped --out would otherwise retrain silently
-            print(f"[resume] no checkpoint in {run.out}: starting at step 0", flush=True)
-        return 0
-    ckpt = (run.out / "latest").resolve()
-    state = load_checkpoint(ckpt, models_and_optimisers(run))
-    for sched, sd in zip(run.schedulers, state["schedulers"]):
-        sched.load_state_dict(sd)
-    run.kl_ctl.load_state_dict(state["kl_ctl"])
-    step = state["step"]
-    metrics_file = run.out / "metrics.jsonl"
-    if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
-        write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
-    run.engine.sync_weights(full_state_dict(run.actor))
-    if run.master:
-        print(f"[resume] {ckpt} at step {step}", flush=True)
-    return step
-
-
-def models_and_optimisers(run):
-    """What a checkpoint holds besides the trainer state: {"actor": (model, optimiser), "critic": ...}."""
-    return {"actor": (run.actor, run.actor_opt), **({"critic": (run.critic, run.critic_opt)} if run.critic is not None else {})}
-
-
-def trainer_state(args, run, step):
-    return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
-            "schedulers": [s.state_dict() for s in run.schedulers]}
 
 
 if __name__ == "__main__":

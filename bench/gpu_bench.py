@@ -16,8 +16,8 @@ model of the shape of --config (default: DeepSeek-R1-Distill-Qwen-1.5B, random w
   bare        the same tokens through the bare bf16 transformers model, one unpadded sequence at a time (forward,
               log-prob + entropy, backward), with and without checkpointing: what a hand-written loop would get
 
-Model FLOPs count useful work only (no padding, no recompute): per token 2 x the decoder's matmul parameters, the
-LM head on response tokens (2 H V), causal attention 2 L d s^2 per sequence; x3 with the backward.
+Model FLOPs: perf.py's formula (train.py's perf/ metrics): per token 2 x the decoder layers' parameters, the LM head
+on response tokens, causal attention 2 L d s^2 per sequence; x3 with the backward.
 Memory: `state` is what is allocated before a phase (fp32 weights, Adam moments, the reference), `grads` the
 actor's fp32 gradients, `act MiB/tok` the rest of the phase's peak (activations and temporaries) divided by the
 largest micro-batch's tokens (padded code: rows x width). With checkpointing the peak can be the optimiser step's
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+import perf  # noqa: E402  (this checkout's formula, whichever code version runs)
 from trainer_phases import Phases, load_code, plain_pass, rollout_like  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-1.5B's config.json (the fields that shape the compute)
@@ -45,7 +47,6 @@ R1_DISTILL_1_5B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8
                        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False)
 TINY = dict(R1_DISTILL_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1000)
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 # name -> (code: "after" | "before", attention, micro-batch: rows or None, tokens or None, run the bare model,
 #          torch.compile the layers and the log-prob head (--compile), run by default)
@@ -56,25 +57,6 @@ VARIANTS = {
     "packed varlen, 16k tokens, compiled": ("after", "varlen", None, 16384, False, True, True),
     "packed sdpa, 4 rows": ("after", "sdpa", 4, None, False, False, False),  # measured 2x slower than varlen
 }
-
-
-def peak_tflops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-
-
-def model_flops(cfg, trajs, backward):
-    """Useful FLOPs of one pass over trajs (see the module docstring)."""
-    H, L, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    kv = H // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    matmul = L * (H * H * 2 + H * kv * 2 + 3 * H * I)  # q, o; k, v; gate, up, down
-    flops = 0
-    for t in trajs:
-        s, r = len(t["prompt_ids"]) + len(t["response_ids"]), len(t["response_ids"])
-        flops += 2 * matmul * s + 2 * H * cfg["vocab_size"] * r + 2 * L * H * s * s
-    return flops * (3 if backward else 1)
 
 
 def build(code, cfg, attn, device, dtype=torch.float32):
@@ -126,7 +108,7 @@ def run_variant(name, args):
     if compiled:
         code.model.compile_model(actor)
         code.model.compile_model(ref)
-    opt = train.make_optimizer(actor, 1e-6, 0.0)
+    opt = code.setup.make_optimizer(actor, 1e-6, 0.0)
     B = len(trajs)
     mask = batch["action_mask"].float()
     adv = torch.randn(B, generator=torch.Generator().manual_seed(1))[:, None] * mask
@@ -137,7 +119,9 @@ def run_variant(name, args):
     res = dict(variant=name, attention=attn, micro=f"{tokens} tokens" if tokens else f"{rows} rows", compiled=compiled,
                tokens=sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs),
                padding=round(phases.padding(batch, groups), 4), micro_batches=len(groups), micro_tokens_max=biggest)
-    fl_fwd, fl_upd = model_flops(cfg, trajs, False), model_flops(cfg, trajs, True)
+    fl_fwd = perf.forward_flops(perf.model_shape(actor), [len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs],
+                                [len(t["response_ids"]) for t in trajs])
+    fl_upd = 3 * fl_fwd
 
     def timed(fn, reps=2):
         """Run fn reps times (the first warms up: kernels, FSDP's lazy init, Adam state, torch.compile); the last
@@ -197,7 +181,7 @@ def run_variant(name, args):
                 bare.zero_grad(set_to_none=True)
             s = timed(plain)
             res[f"bare{'_ckpt' if ckpt else ''}"] = dict(seconds=s, tflops=fl_upd / s / 1e12)
-    peak = peak_tflops(device)
+    peak = perf.peak_tflops(device)
     for phase in ("logprobs", "update", "update_ckpt", "bare", "bare_ckpt"):
         if phase in res:
             res[phase]["tokens_per_s"] = res["tokens"] / res[phase]["seconds"]

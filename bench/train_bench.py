@@ -98,7 +98,7 @@ def main():
     if args.compile:
         M.compile_model(actor)
         M.compile_model(ref)
-    opt = train.make_optimizer(actor, targs.actor_lr, targs.weight_decay)
+    opt = code.setup.make_optimizer(actor, targs.actor_lr, targs.weight_decay)
     trajs = rollout_like(args.trajectories, bare.config.vocab_size, args.seed)
     batch = importlib.import_module("rollout").to_batch(trajs, tokenizer.pad_token_id)
     real_tokens = sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs)

@@ -15,13 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_code(code_dir=None):
-    """model, parallel, train (and packing, where it exists; system, or model where the system helpers lived there)
-    imported from code_dir (default: this checkout)."""
+    """model, parallel, train, setup (trainer_setup, or train where it held setup) (and packing, where it exists;
+    system, or model where the system helpers lived there) imported from code_dir (default: this checkout)."""
     os.environ.setdefault("MUTIS_MODELS_DIR", str(ROOT / "models"))  # one prepared SmolLM2 for every version
     sys.path.insert(0, str(Path(code_dir or ROOT).resolve()))
     mods = {name: importlib.import_module(name) for name in ("model", "parallel", "train")}
     mods["packing"] = importlib.import_module("packing") if (Path(code_dir or ROOT) / "packing.py").exists() else None
     mods["system"] = importlib.import_module("system") if (Path(code_dir or ROOT) / "system.py").exists() else mods["model"]
+    # train.py's setup helpers (make_optimizer) moved to trainer_setup.py; older versions keep them in train.py
+    has_setup = (Path(code_dir or ROOT) / "trainer_setup.py").exists()
+    mods["setup"] = importlib.import_module("trainer_setup") if has_setup else mods["train"]
     return SimpleNamespace(**mods)
 
 

@@ -41,6 +41,41 @@ def test_aarch64_and_timing_fallback(monkeypatch):
     assert dtype in ("bfloat16", "float32") and "matmul" in reason
 
 
+def fake_gpu(monkeypatch, major, minor, name):
+    """A stubbed CUDA device: torch's is_bf16_supported counts emulation unless told not to, as on real V100/T4."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: major >= 8 or including_emulation)
+
+
+@pytest.mark.parametrize("major, name", [(7, "Tesla V100-SXM2-16GB"), (7, "Tesla T4")])
+def test_auto_on_a_gpu_that_emulates_bf16(monkeypatch, major, name):
+    """V100/T4: bf16 only emulated (vLLM refuses it below compute capability 8.0): fp16 engine, fp32 trainer."""
+    fake_gpu(monkeypatch, major, 0, name)
+    dtype, reason = S.choose_dtype("auto", "cuda")
+    assert (dtype, reason) == ("float32", f"{name} (compute capability {major}.0) without native bf16")
+    assert S.choose_dtype("auto", "cuda", engine="vllm")[0] == "float16"
+    assert S.choose_dtype("float32", "cuda") == ("float32", "requested")
+
+
+def test_explicit_bf16_on_a_gpu_that_emulates_it_is_one_line(monkeypatch, capsys):
+    fake_gpu(monkeypatch, 7, 5, "Tesla T4")
+    with pytest.raises(SystemExit) as e:
+        S.choose_dtype("bfloat16", "cuda", engine="vllm")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --engine-dtype bfloat16: Tesla T4 (compute capability 7.5) without native bf16")
+
+
+def test_auto_on_ampere_and_later(monkeypatch):
+    fake_gpu(monkeypatch, 9, 0, "NVIDIA H200")
+    assert S.choose_dtype("auto", "cuda") == ("bfloat16", "NVIDIA H200 (compute capability 9.0) with bf16")
+    assert S.choose_dtype("bfloat16", "cuda") == ("bfloat16", "requested")
+
+
 @pytest.mark.slow  # a train.py start
 def test_train_startup_line_states_the_dtype():
     """The [setup] line says what was chosen and why, before any model loads (here the run stops soon after it:

@@ -74,6 +74,7 @@ def fake_engine(monkeypatch, on_cpu=False, free=10 * GiB, cuda=True):
     engine = object.__new__(engines.VLLMEngine)  # no vLLM start: the fake replaces engine.llm
     engine.llm, engine.on_cpu, engine.dtype = RecordingLLM(log, device), on_cpu, torch.bfloat16
     engine.asleep, engine.asleep_bytes, engine.utilization = set(), 0, 0.5
+    engine.activation_peak, engine.reserved = 0, 8 * GiB  # test_gpu_path sets a peak
     engine.tokenizer = M.load_tokenizer(M.resolve_model("smollm2"))
     engine.max_model_len = 2048
     answer = engine.tokenizer.encode("Answer: 4", add_special_tokens=False) + [engine.tokenizer.eos_token_id]
@@ -160,6 +161,12 @@ class FakeShard:
     def to(self, device):
         self.log.append(("to", self.name, device))
         return FakeShard(self.name, self.log, device)
+
+    def detach(self):
+        return self
+
+    def is_floating_point(self):
+        return True
 
     def full_tensor(self):
         self.log.append(("gather", self.name, self.device.type))  # the all-gather runs where the shard is
@@ -269,8 +276,8 @@ def test_attn_implementation_reaches_loaded_models(tiny_model_dir):
 ATTN_WORKER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
-import train
-seen, real_load = [], train.load_sharded
+import train, trainer_setup
+seen, real_load = [], trainer_setup.load_sharded
 def load_sharded(build, path, device, **kw):
     m = real_load(build, path, device, **kw)
     cfg = m.backbone.config if hasattr(m, "backbone") else m.config
@@ -279,7 +286,7 @@ def load_sharded(build, path, device, **kw):
         open(sys.argv[1], "w").write(json.dumps(seen))
         os._exit(0)
     return m
-train.load_sharded = load_sharded
+trainer_setup.load_sharded = load_sharded
 train.main(sys.argv[2:])
 """
 

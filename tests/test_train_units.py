@@ -1,4 +1,5 @@
 """train.py's pieces in isolation: flag checks, advantages, the update step (modes, weights, skips)."""
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import packing
 import parallel
 import reward
 import train
+import trainer_setup
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--samples-per-prompt", "0"),
@@ -121,7 +123,7 @@ def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_
     mlp.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-4)
     stats, skipped = train.ppo_update(actor, None, opt, None, update_batch(actor), TWO_MICRO,
-                                      SimpleNamespace(**UPDATE_ARGS), train.nullcontext, device_of(actor))
+                                      SimpleNamespace(**UPDATE_ARGS), contextlib.nullcontext, device_of(actor))
     assert skipped == 0 and {"loss/pg", "actor/entropy", "loss/kl", "actor/grad_norm"} <= set(stats)
     assert len(calls) == (4 if checkpointing else 2)  # 2 micro-batches
     assert not actor.training  # back in eval mode for the no-grad log-prob passes
@@ -137,7 +139,7 @@ def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model
     monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     a_opt, c_opt = torch.optim.AdamW(actor.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
     stats, skipped = train.ppo_update(actor, critic, a_opt, c_opt, batch, TWO_MICRO,
-                                      SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), train.nullcontext,
+                                      SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), contextlib.nullcontext,
                                       device_of(actor))
     assert skipped == 1 and "loss/vf" in stats and stats["critic/grad_norm"] > 0
     assert all(torch.equal(t, before[n]) for n, t in parallel.full_state_dict(actor))  # the actor did not move
@@ -159,7 +161,7 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
         else:
             batch["old_logprobs"] = old
         opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-        stats, _ = train.ppo_update(actor, None, opt, None, batch, TWO_MICRO, args, train.nullcontext,
+        stats, _ = train.ppo_update(actor, None, opt, None, batch, TWO_MICRO, args, contextlib.nullcontext,
                                     device_of(actor))
         assert stats["actor/clipfrac"] == 0 and stats["actor/approx_kl"] == pytest.approx(0, abs=1e-6)
         if reuse:  # the diagnostics the skipped pass would have given
@@ -244,7 +246,7 @@ def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
 
 
 def test_resume_without_checkpoint_says_so(tmp_path, capsys):
-    assert train.resume(None, SimpleNamespace(out=tmp_path, master=True)) == 0
+    assert trainer_setup.resume(None, SimpleNamespace(out=tmp_path, master=True)) == 0
     assert capsys.readouterr().out == f"[resume] no checkpoint in {tmp_path}: starting at step 0\n"
 
 
