@@ -1,15 +1,19 @@
 """Benchmark evaluation: accuracy and token efficiency of checkpoints, side by side.
 
-    python eval.py smollm2 runs/demo/step_000012 --benchmarks math500,gsm8k --max-response-tokens 1024 \\
-        --limit 50 --budgets 256,512,1024 --out runs/eval
+    python eval.py runs/demo/step_000012 --benchmarks math500,gsm8k --limit 50 --out runs/eval
+    torchrun --nproc_per_node 8 eval.py CKPT ...     # each rank a shard of the problems, its own engine
     python eval.py --score generations.parquet      # score existing generations, no model
 
-CKPT is the `smollm2` alias, a Hugging Face directory, or a training checkpoint directory
-(with an `actor/` subfolder). Generation goes through rollout.py (vLLM, or `--engine hf`),
-single-turn greedy by default as in the paper; `--max-turns K` evaluates with interventions;
-`--protocol sampled` as the efficient-reasoning tables do (temperature 0.6, top-p 0.95, mean@4).
-Scoring goes through reward.py. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md
-and, with --budgets, DIR/budget.png.
+CKPT is the `smollm2` alias, a Hugging Face directory, or a training checkpoint directory (with an `actor/`
+subfolder). The default is the MuTIS authors' evaluation (their eval/eval.sh and eval/eval.py): greedy (temperature
+0, top-p 1), single turn, a 32768-token response cap (clamped to the context window minus the longest prompt, with
+a line saying so), the system prompt `Please reason step by step, ... \boxed{}.`, the last answer scored, and their
+budget sweep (REFERENCE_BUDGETS up to the cap). `--max-turns K` evaluates with interventions; `--protocol sampled`
+as the efficient-reasoning tables do (temperature 0.6, top-p 0.95, mean@16). Generation goes through rollout.py
+(vLLM, or `--engine hf`), every sample in one engine call per turn; scoring through reward.py; repeated responses
+are repetition.py's. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md, DIR/budget.png and DIR/journal/
+(journal.py: every finished request, so that a rerun with the same arguments continues a stopped evaluation).
+Checkpoints of one architecture share one engine: the next one's weights go in through engine.sync_weights.
 
 Budget sweep. Each problem is generated ONCE, at G = max(--max-response-tokens, max(--budgets)) tokens.
 The accuracy at a budget b < G is computed by keeping the first b response tokens, decoding
@@ -24,14 +28,13 @@ intervention drops it (see `cut`). The main numbers (accuracy, tokens, truncatio
 those at --max-response-tokens, computed the same way when G > --max-response-tokens. tests/test_eval.py checks
 all of this against real generations at the smaller limits. With --temperature > 0 the per-sample
 seeds do not depend on the limit, so the same holds in principle, but it is not tested.
---score files carry no token ids: --budgets is ignored there.
+--score files carry no token ids: --budgets is ignored there, and `repeated` is unknown.
 """
 import argparse
 import gc
-import io
+import hashlib
 import json
-import math
-import statistics
+import os
 import sys
 import time
 from collections import defaultdict
@@ -40,17 +43,12 @@ from pathlib import Path
 
 from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 from data import DataError, read_rows
+from eval_report import pass_at_k, summarize, write_outputs  # noqa: F401 (pass_at_k: tests, bench)
+from repetition import is_repeated
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
 GOLD_COLS = ("ground_truth", "answer", "reward_model.ground_truth", "gold")
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k (Chen et al., 2021): P(a random k-subset of the n samples holds a correct one)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def versions():
@@ -67,13 +65,14 @@ def versions():
 
 # ----------------------------------------------------------------------------- generation
 
-def generate(engine, tokenizer, records, args, desc="", prompts=None):
-    """Roll out every record (n samples each) -> unscored sample dicts, in record order.
+def generate(engine, tokenizer, records, args, desc=None, prompts=None, journal=None, indices=None):
+    """Roll out the records at `indices` (default: all; n samples each) -> unscored sample dicts, in record order.
 
-    Problems go to the engine in chunks of --engine-batch so that tqdm can show progress;
-    within a chunk the engine batches freely.
-    """
+    Every sample goes to the engine in one call per turn (journal.Journaled: requests the journal already holds are
+    replayed, the others recorded as they finish; at most --max-in-flight in the engine at once); desc: label of a
+    progress bar over finished requests (one per sample and turn)."""
     import rollout
+    from journal import Journal, Journaled
     from model import end_of_turn_ids
     from tqdm import tqdm
 
@@ -81,27 +80,34 @@ def generate(engine, tokenizer, records, args, desc="", prompts=None):
     gen_tokens = max([args.max_response_tokens] + args.budgets)
     if prompts is None:  # main tokenizes once, before any engine starts
         prompts = tokenize(tokenizer, records, args)
-    intervention_ids = rollout.intervention_ids(tokenizer, args.intervention_text)
+    indices = list(range(len(records))) if indices is None else list(indices)
+    bar = tqdm(total=0, desc=desc, disable=desc is None, unit="sample", file=sys.stderr)
+
+    def grow(n):  # a multi-turn call adds its requests to the bar
+        bar.total += n
+        bar.refresh()
+
+    wrapped = Journaled(engine, journal or Journal(None, "", 0, {}), getattr(args, "max_in_flight", None),
+                        on_request=bar.update, on_call=grow)
+    # per-sample seeds derive from (seed, record index): a sample does not depend on the shard or the batch (the
+    # batch's bf16 arithmetic still may: a near tie can break either way)
+    trajs = rollout.sample(wrapped, [prompts[i] for i in indices], prompt_indices=indices, **rollout.sample_kwargs(
+        args, rollout.intervention_ids(tokenizer, args.intervention_text), eos_ids,
+        turn_tokens=args.turn_tokens if args.max_turns else gen_tokens, max_response_tokens=gen_tokens,
+        cut_at_answer=cuts(args)))
+    bar.close()
     samples = []
-    with tqdm(total=len(records), desc=desc, unit="problem", file=sys.stderr) as bar:
-        for start in range(0, len(prompts), args.engine_batch):
-            chunk = prompts[start:start + args.engine_batch]
-            # per-sample seeds derive from (seed, global prompt index), not from --engine-batch (the batch's bf16
-            # arithmetic still does: a sampled response may change with it)
-            trajs = rollout.sample(engine, chunk, prompt_indices=range(start, start + len(chunk)), **rollout.sample_kwargs(
-                args, intervention_ids, eos_ids, turn_tokens=args.turn_tokens if args.max_turns else gen_tokens,
-                max_response_tokens=gen_tokens, cut_at_answer=cuts(args)))
-            for t in trajs:
-                rec = records[t["prompt_index"]]
-                samples.append({
-                    "benchmark": rec["_benchmark"], "data_source": rec["data_source"], "id": rec["id"],
-                    "sample": t["sample_index"],
-                    "problem": rec["problem"], "gold": rec["ground_truth"], "response_ids": list(t["response_ids"]),
-                    "_full_text": t["policy_text"],
-                    "_truncated": bool(t["hit_cap"]),  # the token cap cut it (not: ended without an answer)
-                    "_action_mask": list(t["action_mask"]),
-                    "_turns": int(t["turns"])})
-            bar.update(len(chunk))
+    for t in trajs:
+        rec = records[t["prompt_index"]]
+        samples.append({
+            "benchmark": rec["_benchmark"], "data_source": rec["data_source"], "id": rec["id"],
+            "sample": t["sample_index"],
+            "problem": rec["problem"], "gold": rec["ground_truth"], "response_ids": list(t["response_ids"]),
+            "_index": t["prompt_index"],
+            "_full_text": t["policy_text"],
+            "_truncated": bool(t["hit_cap"]),  # the token cap cut it before any answer (not: ended without one)
+            "_action_mask": list(t["action_mask"]),
+            "_turns": int(t["turns"])})
     return samples
 
 
@@ -162,9 +168,9 @@ def score_generated(samples, args, tokenizer):
         r = results[job[i, args.max_response_tokens]]
         shown = tokenizer.decode(s["response_ids"][:ntok], skip_special_tokens=True)  # with interventions
         s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
-                 num_tokens=ntok, truncated=trunc, turns=turns,
+                 num_tokens=ntok, truncated=trunc, repeated=is_repeated(s["response_ids"][:ntok], trunc), turns=turns,
                  budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
-        for key in [k for k in s if k.startswith("_")]:
+        for key in [k for k in s if k.startswith("_") and k != "_index"]:  # _index: main's sort, then dropped
             del s[key]
         s["response_ids"] = s.pop("response_ids")  # long: keep it last in samples.jsonl
     return samples
@@ -241,164 +247,126 @@ def score_file(args):
     write_outputs(out, names, samples, summary, [])
 
 
-# ----------------------------------------------------------------------------- summaries
-
-def summarize(samples, budgets, multi_turn):
-    """{checkpoint: {benchmark: stats}} from scored samples; accuracy averages per problem first."""
-    groups = defaultdict(list)
-    for s in samples:
-        groups[s["checkpoint"], s["benchmark"]].append(s)
-    results = defaultdict(dict)
-    for (ckpt, bench), group in groups.items():
-        by_problem = defaultdict(list)  # id -> [correct, ...] over its n samples
-        for s in group:
-            by_problem[s["id"]].append(s)
-        per_problem = [[s["correct"] for s in v] for v in by_problem.values()]
-        tokens = [s["num_tokens"] for s in group]
-        stats = {"n": len(by_problem), "samples": len(group),
-                 "accuracy": statistics.fmean(sum(c) / len(c) for c in per_problem),
-                 "mean_tokens": statistics.fmean(tokens), "median_tokens": statistics.median(tokens),
-                 "truncated": None if any(s["truncated"] is None for s in group)
-                 else statistics.fmean(bool(s["truncated"]) for s in group),
-                 "has_answer": statistics.fmean(s["has_answer"] for s in group)}
-        n = max(len(c) for c in per_problem)
-        if n > 1:  # accuracy is then mean@n, the unbiased pass@1
-            stats[f"mean@{n}"] = stats["accuracy"]
-            for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
-                stats[f"pass@{k}"] = statistics.fmean(pass_at_k(len(c), sum(c), k) for c in per_problem)
-        if multi_turn:
-            stats["mean_turns"] = statistics.fmean(s["turns"] for s in group)
-        if budgets:
-            stats["budget_accuracy"] = {str(b): statistics.fmean(
-                statistics.fmean(s["budget_correct"][str(b)] for s in v) for v in by_problem.values())
-                for b in budgets}
-        results[ckpt][bench] = stats
-    return dict(results)
-
-
-def markdown(results, budgets):
-    """Checkpoints side by side; later ones show their change against the first."""
-    ckpts = list(results)
-    benches = list(dict.fromkeys(b for c in ckpts for b in results[c]))
-    rows = {b: {c: results[c].get(b) for c in ckpts} for b in benches}
-    if len(benches) > 1:  # macro average over the benchmarks every checkpoint has
-        common = [b for b in benches if all(rows[b][c] for c in ckpts)]
-        rows["mean"] = {c: {"n": sum(results[c][b]["n"] for b in common),
-                            "accuracy": statistics.fmean(results[c][b]["accuracy"] for b in common),
-                            "mean_tokens": statistics.fmean(results[c][b]["mean_tokens"] for b in common)}
-                        for c in ckpts} if common else {}
-    head = ["benchmark", "n"]
-    for i, c in enumerate(ckpts):
-        head += [f"{c} acc %" + (" (Δ)" if i else ""), f"{c} tokens" + (" (Δ)" if i else "")]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for bench, cells in rows.items():
-        base = cells.get(ckpts[0])
-        line = [bench, str(next((v["n"] for v in cells.values() if v), ""))]
-        for i, c in enumerate(ckpts):
-            v = cells.get(c)
-            if not v:
-                line += ["–", "–"]
-                continue
-            acc, tok = f"{100 * v['accuracy']:.1f}", f"{v['mean_tokens']:.0f}"
-            if i and base:
-                acc += f" ({100 * (v['accuracy'] - base['accuracy']):+.1f})"
-                tok += f" ({v['mean_tokens'] - base['mean_tokens']:+.0f}, " \
-                       f"{100 * (v['mean_tokens'] / max(base['mean_tokens'], 1e-9) - 1):+.0f}%)"
-            line += [acc, tok]
-        lines.append("| " + " | ".join(line) + " |")
-    if budgets:
-        lines += ["", "Accuracy (%) at token budget", "",
-                  "| checkpoint | benchmark | " + " | ".join(str(b) for b in budgets) + " |",
-                  "|" + "---|" * (len(budgets) + 2)]
-        for c in ckpts:
-            for bench, v in results[c].items():
-                lines.append(f"| {c} | {bench} | " + " | ".join(
-                    f"{100 * v['budget_accuracy'][str(b)]:.1f}" for b in budgets) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_budgets(path, results, budgets):
-    """Accuracy against token budget: one panel per benchmark (+ their mean), one line per checkpoint."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib not installed; budget.png skipped", file=sys.stderr)
-        return
-    benches = list(dict.fromkeys(b for c in results for b in results[c]))
-    panels = benches + (["mean"] if len(benches) > 1 else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for c, per in results.items():
-            parts = [per[b] for b in (benches if panel == "mean" else [panel]) if b in per]
-            ys = [100 * statistics.fmean(p["budget_accuracy"][str(b)] for p in parts) for b in budgets]
-            ax.plot(budgets, ys, marker="o", label=c)
-        ax.set(title=panel, xlabel="token budget", ylabel="accuracy %", ylim=(0, None))
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, png.getvalue())
-
-
-def write_outputs(out, names, samples, summary, budgets):
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / names[0], "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
-    write_atomic(out / names[1], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    table = markdown(summary["results"], budgets)
-    write_atomic(out / names[2], table)
-    if budgets:
-        plot_budgets(out / "budget.png", summary["results"], budgets)
-    print(table)
-    print(f"wrote {out / names[0]}, {out / names[1]}, {out / names[2]}" + (", budget.png" if budgets else ""))
-
-
 # ----------------------------------------------------------------------------- main
 
-# The two protocols efficient-reasoning papers report: greedy (MuTIS) and sampled mean@k (DeepSeek-R1's eval
-# setting, used by AdaptThink, DLER, LC-R1, ThinkPrune); accuracy averages each problem's samples first.
+# The two protocols efficient-reasoning papers report: greedy (MuTIS: the authors' eval/eval.sh and eval/eval.py) and
+# sampled mean@k (DeepSeek-R1's eval setting, used by AdaptThink, DLER, LC-R1, ThinkPrune; DLER and DOT report k of
+# 16 to 32: 16 here, the cheaper end, whose mean@16 already has a quarter of one sample's variance per problem).
 PROTOCOLS = {"greedy": {"temperature": 0.0, "top_p": 1.0, "samples_per_prompt": 1},
-             "sampled": {"temperature": 0.6, "top_p": 0.95, "samples_per_prompt": 4}}
+             "sampled": {"temperature": 0.6, "top_p": 0.95, "samples_per_prompt": 16}}
+# The reference's response cap (eval/eval.sh: max_tokens 32768) and the budgets it sweeps, the cap last
+REFERENCE_CAP = 32768
+REFERENCE_BUDGETS = (200, 400, 600, 800, 1000, 1200, 1600, 2000, 2400, 2800, 3200, 3600, 4000, 4500, 32768)
+
+
+def given(argv, flag):
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def parse_args(argv=None):
     import rollout  # the sampling flags are rollout.py's, shared with train.py
 
-    # evaluation is greedy and single-turn with a 4096-token response cap unless asked (the paper's eval)
-    shared = rollout.sampling_flags(temperature=0.0, max_turns=0, max_response_tokens=4096, system_prompt="eval")
+    # the reference's evaluation unless asked: greedy, single turn, 32768 response tokens, the budget sweep
+    shared = rollout.sampling_flags(temperature=0.0, max_turns=0, max_response_tokens=REFERENCE_CAP,
+                                    system_prompt="eval")
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[shared])
     p.add_argument("checkpoints", nargs="*", metavar="CKPT",
                    help="'smollm2', a HF directory or hub id, or a training checkpoint")
     p.add_argument("--score", metavar="FILE", help="score existing generations (.parquet/.jsonl) instead of generating")
     p.add_argument("--benchmarks", default=DEFAULT_BENCHMARKS, help="comma-separated benchmark names or dataset paths")
-    p.add_argument("--budgets", default="", help="comma-separated token limits for the budget sweep, e.g. 1000,2000,4000")
+    p.add_argument("--budgets", default="reference",
+                   help="token limits of the budget sweep: reference (the reference's list up to the response cap, "
+                        "which ends it), none, or comma-separated integers (default: %(default)s)")
     p.add_argument("--limit", type=positive_int, default=None, help="first N problems of each benchmark")
-    p.add_argument("--engine-batch", type=positive_int, default=64, help="problems per engine call (progress granularity)")
-    p.add_argument("--batch-size", dest="engine_batch", type=positive_int, help=argparse.SUPPRESS,
-                   action=deprecated("--batch-size", "--engine-batch"))
+    p.add_argument("--max-in-flight", type=positive_int, default=None,
+                   help="requests in the engine at once, the next sent as one finishes (default: all for vllm, whose "
+                        "scheduler runs what fits and queues the rest; 64 for hf, which pads them into one batch)")
+    for old in ("--engine-batch", "--batch-size"):
+        p.add_argument(old, dest="max_in_flight", type=positive_int, help=argparse.SUPPRESS,
+                       action=deprecated(old, "--max-in-flight"))
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
-    p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
-                   help="greedy: one greedy sample per problem (the paper); sampled: temperature 0.6, top-p 0.95, "
-                        "mean accuracy over 4 samples per problem (the efficient-reasoning tables); --temperature, "
+    p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP); a rerun with the same "
+                                               "arguments and --out continues a stopped evaluation")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="greedy",
+                   help="greedy: one greedy sample per problem (the paper's); sampled: temperature 0.6, top-p 0.95, "
+                        "mean accuracy over 16 samples per problem (the efficient-reasoning tables); --temperature, "
                         "--top-p and --samples-per-prompt given explicitly win")
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = p.parse_args(argv)
-    for key, value in PROTOCOLS.get(args.protocol, {}).items():
-        flag = "--" + key.replace("_", "-")
-        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+    for key, value in PROTOCOLS[args.protocol].items():
+        if not given(argv, "--" + key.replace("_", "-")):
             setattr(args, key, value)
     rollout.check_sampling_args(args)
-    try:
-        args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
-    except ValueError:
-        die(f"--budgets {args.budgets!r}: expected comma-separated integers")
-    if args.budgets and args.budgets[0] < 1:
-        die(f"--budgets: token budgets must be >= 1, got {args.budgets[0]}")
+    args.cap_given = given(argv, "--max-response-tokens")  # an explicit cap is never clamped
+    if args.budgets in ("reference", "none"):
+        args.sweep, args.budgets = args.budgets, []  # reference: filled in once the cap is known
+    else:
+        args.sweep = "list"
+        try:
+            args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
+        except ValueError:
+            die(f"--budgets {args.budgets!r}: expected reference, none or comma-separated integers")
+        if args.budgets and args.budgets[0] < 1:
+            die(f"--budgets: token budgets must be >= 1, got {args.budgets[0]}")
     return args
+
+
+def context_cap(args, prepared, say):
+    """The response cap: --max-response-tokens, the default clamped to the smallest context window minus the longest
+    prompt (one line says so); an explicit cap or budget that does not fit dies. Fills the reference budgets."""
+    room = {name: (limit - longest, limit, longest) for name, (_, _, longest, limit) in prepared.items() if limit}
+    name, (fits, limit, longest) = min(room.items(), key=lambda kv: kv[1][0]) if room else (None, (None, 0, 0))
+    if fits is not None and fits < 1:
+        die(f"--benchmarks: the longest prompt ({longest} tokens) fills the context of {name} ({limit})")
+    if fits is not None and args.max_response_tokens > fits and not args.cap_given:
+        say(f"note: response cap {args.max_response_tokens} clamped to {fits} tokens: the context of {name} ({limit}) "
+            f"minus the longest prompt ({longest})")
+        args.max_response_tokens = fits
+    if args.sweep == "reference":
+        args.budgets = sorted({b for b in REFERENCE_BUDGETS if b < args.max_response_tokens} | {args.max_response_tokens})
+    gen_tokens = max([args.max_response_tokens] + args.budgets)
+    if fits is not None and gen_tokens > fits:
+        die(f"--max-response-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
+            f"the context of {name} ({limit})")
+    return gen_tokens
+
+
+def engine_key(path, kind, prompts, eos_ids):
+    """Checkpoints with the same key share one engine (weights swapped by sync_weights): the same config apart from
+    names and dtype (architecture, sizes, rotary settings), the same prompt ids and end-of-turn ids (tokenizer and
+    chat template). A hub id has no files to load weights from: its own engine."""
+    from transformers import AutoConfig
+
+    if kind == "hub":
+        return "hub:" + path
+    config = AutoConfig.from_pretrained(path).to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(key, None)
+    return hashlib.sha1(json.dumps([config, prompts, sorted(eos_ids)], sort_keys=True, default=str).encode()).hexdigest()
+
+
+def checkpoint_tensors(path):
+    """(name, tensor) pairs of a Hugging Face directory's safetensors files, one tensor at a time (sync_weights)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def gather(samples, world):
+    """Every rank's samples on rank 0 (None elsewhere), in record order then sample order: the 1-process order."""
+    if world == 1:
+        parts = [samples]
+    else:
+        import torch.distributed as dist
+
+        parts = [None] * world if dist.get_rank() == 0 else None
+        dist.gather_object(samples, parts, dst=0)
+        if parts is None:
+            return None
+    return sorted((s for part in parts for s in part), key=lambda s: (s["_index"], s["sample"]))
 
 
 def main(argv=None):
@@ -414,18 +382,18 @@ def main(argv=None):
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
     import data
-    from model import check_attn_implementation, check_model, load_tokenizer, resolve_model
+    from model import check_attn_implementation, check_model, end_of_turn_ids, load_tokenizer, resolve_model
 
     if args.engine == "hf":
         check_attn_implementation(args.attn_implementation)
+        args.max_in_flight = args.max_in_flight or 64
     t0 = time.time()
     # validate everything before the first (slow) engine start
     benches = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     for b in benches:  # every name train.py's --data takes
         if b not in data.BUNDLED and not Path(b).exists():
             die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(data.BUNDLED)}; or a dataset path)")
-    for c in args.checkpoints:
-        check_model(c, "checkpoint")  # dies in one line; prepares and downloads nothing
+    kinds = {c: check_model(c, "checkpoint")[0] for c in args.checkpoints}  # dies in one line; downloads nothing
     paths = {c: resolve_model(c) for c in args.checkpoints}
     records = []
     for b in benches:
@@ -434,62 +402,107 @@ def main(argv=None):
         except (data.DataError, OSError) as e:
             die(f"--benchmarks {b}: {e}")
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    gen_tokens = max([args.max_response_tokens] + args.budgets)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    master = rank == 0
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if master else (lambda line: None)
     if args.temperature == 0 and args.samples_per_prompt > 1:
-        print("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer", file=sys.stderr)
+        say("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer")
     import engines
-    import rollout
+    from journal import Journal
     from system import choose_dtype
     from transformers import AutoConfig
 
-    prepared = {}  # name -> (tokenizer, prompt ids, context length); checked before any engine starts
+    prepared = {}  # name -> (tokenizer, prompt ids, longest prompt, context window); before any engine starts
     for name, path in paths.items():
         tokenizer = load_tokenizer(path)
         prompts = tokenize(tokenizer, records, args)
-        # context = longest prompt + the whole response (rollout.py counts intervention tokens in it)
-        longest = max(len(p) for p in prompts)
-        limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
-        if limit and longest + gen_tokens > limit:
-            die(f"--max-response-tokens/--budgets: longest prompt ({longest}) + response ({gen_tokens}) tokens exceed "
-                f"the context of {name} ({limit})")
-        prepared[name] = tokenizer, prompts, longest + gen_tokens
-    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
-    print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
-    timings = {"load_s": round(time.time() - t0, 2), "checkpoints": {}}
-    samples = []
+        window = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
+        prepared[name] = tokenizer, prompts, max(len(p) for p in prompts), window
+    gen_tokens = context_cap(args, prepared, say)
+    groups = defaultdict(list)  # engine key -> checkpoints sharing that engine, in argument order
     for name, path in paths.items():
-        tokenizer, prompts, context = prepared[name]
-        tm = timings["checkpoints"][name] = {}
+        tokenizer, prompts = prepared[name][:2]
+        groups[engine_key(path, kinds[name], prompts, end_of_turn_ids(path, tokenizer))].append(name)
+    for names in groups.values():
+        for name in names[1:]:
+            if not list(Path(paths[name]).glob("*.safetensors")):
+                die(f"checkpoint {name}: no *.safetensors files in {paths[name]} to load into the running engine")
+    if world > 1 and len(groups) > 1 and args.engine == "vllm":  # vLLM's shutdown ends the process group
+        die(f"under torchrun every checkpoint must share one engine (one architecture and tokenizer); "
+            f"{len(groups)} kinds given: evaluate them in separate calls")
+    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    journals = {name: Journal(out / "journal", name, rank, {  # dies here if --out holds other settings' generations
+        "model": str(Path(path).resolve()) if kinds[name] != "hub" else path, "engine": args.engine,
+        "engine_dtype": args.engine_dtype, "temperature": args.temperature, "top_p": args.top_p, "stop": args.stop,
+        "eos_ids": sorted(end_of_turn_ids(path, prepared[name][0]))}) for name, path in paths.items()}
+    if world > 1:
+        from parallel import init_distributed
+
+        init_distributed()
+    say(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why}); {len(records)} problems x "
+        f"{args.samples_per_prompt} samples, {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
+    import rollout
+
+    mine = rollout.shard_indices(len(records), rank, world)
+    timings = {"load_s": round(time.time() - t0, 2), "engines": {}, "checkpoints": {}}
+    samples = {}
+    for names in groups.values():
         t = time.time()
-        engine = engines.make_engine(path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed, max_model_len=context,
-                                     enforce_eager=args.enforce_eager,
+        first = paths[names[0]]
+        engine = engines.make_engine(first, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
+                                     max_model_len=max(prepared[n][2] for n in names) + gen_tokens,
+                                     distributed=world > 1, enforce_eager=args.enforce_eager,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      attn_implementation=args.attn_implementation)
-        tm["engine_s"] = round(time.time() - t, 2)
-        t = time.time()
+        timings["engines"][names[0]] = {"checkpoints": names, "start_s": round(time.time() - t, 2)}
         try:
-            done = generate(engine, tokenizer, records, args, desc=f"generate {name}", prompts=prompts)
-            gen_s = time.time() - t
+            for name in names:
+                tokenizer, prompts = prepared[name][:2]
+                tm = timings["checkpoints"][name] = {}
+                t = time.time()
+                if name != names[0]:  # the weight sync the trainer uses
+                    engine.sync_weights(checkpoint_tensors(paths[name]))
+                    tm["load_weights_s"] = round(time.time() - t, 2)
+                t = time.time()
+                try:
+                    done = generate(engine, tokenizer, records, args, desc=f"generate {name}" if master else None,
+                                    prompts=prompts, journal=journals[name], indices=mine)
+                finally:
+                    journals[name].close()
+                scored = gather(score_generated(done, args, tokenizer), world)  # every rank scores its own shard
+                gen_s = time.time() - t
+                if master:
+                    samples[name] = [{"checkpoint": name, **s} for s in scored]
+                    tokens = sum(len(s["response_ids"]) for s in scored)
+                    tm.update(generate_and_score_s=round(gen_s, 2), tokens=tokens,
+                              problems_per_min=round(len(records) / (gen_s / 60), 2),
+                              tokens_per_s=round(tokens / gen_s, 1))
         finally:
-            engine.close()  # free its memory (KV cache, weights) before the next checkpoint's engine
+            engine.close()  # frees its memory before the next engine (under torchrun: ends the process group too)
         gc.collect()
-        tm["generate_s"] = round(gen_s, 2)
-        tm["problems_per_min"] = round(len(records) / (gen_s / 60), 2)
-        tm["tokens_per_s"] = round(sum(len(s["response_ids"]) for s in done) / gen_s, 1)
-        t = time.time()
-        samples += [{"checkpoint": name, **s} for s in score_generated(done, args, tokenizer)]
-        tm["score_s"] = round(time.time() - t, 2)
+    if world > 1:
+        from parallel import close_distributed
+
+        close_distributed()  # (the hf engine's group; vLLM's shutdown already ended it)
+    if not master:
+        return
+    samples = [s for name in paths for s in samples[name]]
+    for s in samples:
+        del s["_index"]
     summary = {"models": paths, "benchmarks": benches, "args": vars(args), "versions": versions(), "seed": args.seed,
-               "generated_tokens": gen_tokens,
+               "generated_tokens": gen_tokens, "ranks": world,
                "results": summarize(samples, args.budgets, args.max_turns > 0), "timings": timings}
     t = time.time()
     write_outputs(out, ("samples.jsonl", "summary.json", "summary.md"), samples, summary, args.budgets)
     timings.update(write_s=round(time.time() - t, 2), total_s=round(time.time() - t0, 2))
     write_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")  # with write_s
     print(f"timings: load {timings['load_s']}s, write {timings['write_s']}s, total {timings['total_s']}s")
+    for first, e in timings["engines"].items():
+        print(f"  engine start {e['start_s']}s for {', '.join(e['checkpoints'])}")
     for name, tm in timings["checkpoints"].items():
-        print(f"  {name}: engine start {tm['engine_s']}s, generate {tm['generate_s']}s "
-              f"({tm['problems_per_min']} problems/min, {tm['tokens_per_s']} tokens/s), score {tm['score_s']}s")
+        swap = f"weights loaded {tm['load_weights_s']}s, " if "load_weights_s" in tm else ""
+        print(f"  {name}: {swap}generate and score {tm['generate_and_score_s']}s "
+              f"({tm['problems_per_min']} problems/min, {tm['tokens_per_s']} tokens/s)")
 
 
 if __name__ == "__main__":

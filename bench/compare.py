@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 from cli import ArgumentParser, die, write_atomic  # noqa: E402
 from eval import PROTOCOLS  # noqa: E402
 
+# eval.py's protocols, with the sampled one at k = 4 (eval.py's default is 16): a CPU comparison of many runs
+SETTINGS = {**PROTOCOLS, "sampled": {**PROTOCOLS["sampled"], "samples_per_prompt": 4}}
 LENGTH_COST = 0.5  # length_penalty: what a response at the full cap costs, in correct answers
 
 
@@ -119,8 +121,9 @@ def table(rows, turn_tokens):
 
 def eval_argv(ta, checkpoints, cap, turn_tokens, eval_turns, limit, out, protocol="greedy"):
     """eval.py's arguments: every checkpoint on the validation set under one setting and protocol (eval.py's
-    --protocol: greedy, or sampled mean@4 at T = 0.6)."""
+    --protocol: greedy, or sampled mean@4 at T = 0.6: SETTINGS)."""
     argv = [*checkpoints, "--benchmarks", ta.val_data, "--max-response-tokens", str(cap), "--protocol", protocol,
+            "--samples-per-prompt", str(SETTINGS[protocol]["samples_per_prompt"]),
             "--budgets", ",".join(str(b) for b in sorted({turn_tokens, 2 * turn_tokens, cap}) if b <= cap),
             "--max-turns", str(eval_turns), "--engine", ta.engine, "--engine-dtype", ta.engine_dtype, "--out", str(out)]
     if eval_turns:
@@ -339,7 +342,7 @@ def summarize(out, ta, base, cap, T, opts, notes):
     names = list(dict.fromkeys(name for name, *_ in found))
     results = []
     for protocol, rows in tables.items():
-        how = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in PROTOCOLS[protocol].items())
+        how = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in SETTINGS[protocol].items())
         results += [f"### {protocol} ({how}; {int(rows[0][1]['n'])} problems)", "", table(rows, T)]
     text = "\n".join([
         "# make compare: MuTIS against its baselines", "",
@@ -400,7 +403,7 @@ def parse_args(argv):
     p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
     p.add_argument("--sampled-limit", type=int, default=None,
                    help="eval.py --limit for the sampled protocol only (it generates "
-                        f"{PROTOCOLS['sampled']['samples_per_prompt']} samples per problem)")
+                        f"{SETTINGS['sampled']['samples_per_prompt']} samples per problem)")
     p.add_argument("--protocols", default="greedy,sampled",
                    help=f"eval.py --protocol of the final evaluations, comma-separated: {', '.join(PROTOCOLS)}")
     mode = p.add_mutually_exclusive_group()

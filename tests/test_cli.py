@@ -64,7 +64,8 @@ def test_one_check_for_every_cli(flags, needle, capsys):
 
 @pytest.mark.parametrize("parse,argv,dest,value", [
     (train.parse_args, ["--data", "arith_train", "--test-freq", "3"], "val_freq", 3),
-    (ev.parse_args, ["smollm2", "--batch-size", "5"], "engine_batch", 5)])
+    (ev.parse_args, ["smollm2", "--batch-size", "5"], "max_in_flight", 5),
+    (ev.parse_args, ["smollm2", "--engine-batch", "5"], "max_in_flight", 5)])
 def test_renamed_flags_still_work_for_one_release(parse, argv, dest, value, capsys):
     assert getattr(parse(argv), dest) == value
     err = capsys.readouterr().err.strip().splitlines()

@@ -96,9 +96,37 @@ def test_protocols_set_sampling_and_explicit_flags_win():
     parse = lambda *a: eval_lib.parse_args(["smollm2", *a])  # noqa: E731
     got = lambda a: (a.temperature, a.top_p, a.samples_per_prompt)  # noqa: E731
     assert got(parse()) == got(parse("--protocol", "greedy")) == (0.0, 1.0, 1)  # the paper's eval is the default
-    assert got(parse("--protocol", "sampled")) == (0.6, 0.95, 4)
+    assert got(parse("--protocol", "sampled")) == (0.6, 0.95, 16)
     assert got(parse("--protocol", "sampled", "--samples-per-prompt", "16", "--top-p=1")) == (0.6, 1.0, 16)
     assert got(parse("--temperature", "0.6", "--protocol", "greedy")) == (0.6, 1.0, 1)
+    # the reference's cap and budget sweep (eval/eval.sh), filled in up to the cap once the prompts are known
+    a = parse()
+    assert (a.max_response_tokens, a.cap_given, a.sweep, a.budgets) == (32768, False, "reference", [])
+    a = parse("--max-response-tokens", "100", "--budgets", "none")
+    assert (a.max_response_tokens, a.cap_given, a.sweep, a.budgets) == (100, True, "none", [])
+
+
+@pytest.mark.parametrize("window,longest,given,want_cap,clamped", [
+    (8192, 432, None, 7760, True),      # SmolLM2: 8192 - the longest prompt
+    (131072, 500, None, 32768, False),  # a long-context model keeps the reference's cap
+    (8192, 432, 1000, 1000, False),     # an explicit cap is kept
+])
+def test_default_cap_is_clamped_to_the_context_and_budgets_follow_it(window, longest, given, want_cap, clamped):
+    args = ev.parse_args(["smollm2"] + (["--max-response-tokens", str(given)] if given else []))
+    said = []
+    gen = ev.context_cap(args, {"m": (None, None, longest, window)}, said.append)
+    assert gen == args.max_response_tokens == want_cap
+    assert len(said) == int(clamped) and (not said or f"clamped to {want_cap}" in said[0] and "m (8192)" in said[0])
+    reference = [200, 400, 600, 800, 1000, 1200, 1600, 2000, 2400, 2800, 3200, 3600, 4000, 4500, 32768]
+    assert args.budgets == [b for b in reference if b < want_cap] + [want_cap]
+
+
+def test_an_explicit_cap_beyond_the_context_dies(capsys):
+    args = ev.parse_args(["smollm2", "--max-response-tokens", "8000"])
+    with pytest.raises(SystemExit) as e:
+        ev.context_cap(args, {"m": (None, None, 432, 8192)}, print)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--max-response-tokens" in err[0] and "(8192)" in err[0], err
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -286,3 +314,12 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     scored = ev.score_generated([dict(s) for s in long], gen_args(max_response_tokens=8 + iv + 8, budgets=budgets, **args), tok)
     stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
     assert stats["mean_turns"] == 2.0 and stats["n"] == 2
+
+
+def test_vllm_engine_bounds_requests_in_flight_and_reports_each(smol_engine):
+    from test_eval_scale import check_bounded_callbacks, prompts_of
+
+    prompts = prompts_of(smol_engine.tokenizer, 7)
+    llm_engine = smol_engine.llm.llm_engine
+    got = check_bounded_callbacks(smol_engine, prompts, bound=2, in_flight=llm_engine.get_num_unfinished_requests)
+    assert all(c.logprobs is None for c in got)  # logprobs=False: not computed

@@ -1,0 +1,137 @@
+"""eval.py's reports: the statistics per checkpoint and benchmark (summary.json), the side-by-side table (summary.md),
+the budget plot (budget.png) and writing them."""
+import io
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+
+from cli import write_atomic
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al., 2021): P(a random k-subset of the n samples holds a correct one)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(samples, budgets, multi_turn):
+    """{checkpoint: {benchmark: stats}} from scored samples; accuracy averages per problem first."""
+    groups = defaultdict(list)
+    for s in samples:
+        groups[s["checkpoint"], s["benchmark"]].append(s)
+    results = defaultdict(dict)
+    for (ckpt, bench), group in groups.items():
+        by_problem = defaultdict(list)  # id -> [correct, ...] over its n samples
+        for s in group:
+            by_problem[s["id"]].append(s)
+        per_problem = [[s["correct"] for s in v] for v in by_problem.values()]
+        tokens = [s["num_tokens"] for s in group]
+        stats = {"n": len(by_problem), "samples": len(group),
+                 "accuracy": statistics.fmean(sum(c) / len(c) for c in per_problem),
+                 "mean_tokens": statistics.fmean(tokens), "median_tokens": statistics.median(tokens),
+                 "truncated": None if any(s["truncated"] is None for s in group)
+                 else statistics.fmean(bool(s["truncated"]) for s in group),
+                 # repetition.py; unknown (None) for --score files, which hold no token ids
+                 "repeated": None if any(s.get("repeated") is None for s in group)
+                 else statistics.fmean(s["repeated"] for s in group),
+                 "has_answer": statistics.fmean(s["has_answer"] for s in group)}
+        n = max(len(c) for c in per_problem)
+        if n > 1:  # accuracy is then mean@n, the unbiased pass@1
+            stats[f"mean@{n}"] = stats["accuracy"]
+            for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
+                stats[f"pass@{k}"] = statistics.fmean(pass_at_k(len(c), sum(c), k) for c in per_problem)
+        if multi_turn:
+            stats["mean_turns"] = statistics.fmean(s["turns"] for s in group)
+        if budgets:
+            stats["budget_accuracy"] = {str(b): statistics.fmean(
+                statistics.fmean(s["budget_correct"][str(b)] for s in v) for v in by_problem.values())
+                for b in budgets}
+        results[ckpt][bench] = stats
+    return dict(results)
+
+
+def markdown(results, budgets):
+    """Checkpoints side by side; later ones show their change against the first."""
+    ckpts = list(results)
+    benches = list(dict.fromkeys(b for c in ckpts for b in results[c]))
+    rows = {b: {c: results[c].get(b) for c in ckpts} for b in benches}
+    if len(benches) > 1:  # macro average over the benchmarks every checkpoint has
+        common = [b for b in benches if all(rows[b][c] for c in ckpts)]
+        rows["mean"] = {c: {"n": sum(results[c][b]["n"] for b in common),
+                            "accuracy": statistics.fmean(results[c][b]["accuracy"] for b in common),
+                            "mean_tokens": statistics.fmean(results[c][b]["mean_tokens"] for b in common)}
+                        for c in ckpts} if common else {}
+    head = ["benchmark", "n"]
+    for i, c in enumerate(ckpts):
+        head += [f"{c} acc %" + (" (Δ)" if i else ""), f"{c} tokens" + (" (Δ)" if i else "")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bench, cells in rows.items():
+        base = cells.get(ckpts[0])
+        line = [bench, str(next((v["n"] for v in cells.values() if v), ""))]
+        for i, c in enumerate(ckpts):
+            v = cells.get(c)
+            if not v:
+                line += ["–", "–"]
+                continue
+            acc, tok = f"{100 * v['accuracy']:.1f}", f"{v['mean_tokens']:.0f}"
+            if i and base:
+                acc += f" ({100 * (v['accuracy'] - base['accuracy']):+.1f})"
+                tok += f" ({v['mean_tokens'] - base['mean_tokens']:+.0f}, " \
+                       f"{100 * (v['mean_tokens'] / max(base['mean_tokens'], 1e-9) - 1):+.0f}%)"
+            line += [acc, tok]
+        lines.append("| " + " | ".join(line) + " |")
+    pct = lambda v: "–" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    lines += ["", "Responses cut by the cap before any answer (truncated) and those of them in a loop (repeated), %", "",
+              "| checkpoint | benchmark | truncated | repeated |", "|---|---|---|---|"]
+    lines += [f"| {c} | {b} | {pct(v['truncated'])} | {pct(v['repeated'])} |" for c in ckpts for b, v in results[c].items()]
+    if budgets:
+        lines += ["", "Accuracy (%) at token budget", "",
+                  "| checkpoint | benchmark | " + " | ".join(str(b) for b in budgets) + " |",
+                  "|" + "---|" * (len(budgets) + 2)]
+        for c in ckpts:
+            for bench, v in results[c].items():
+                lines.append(f"| {c} | {bench} | " + " | ".join(
+                    f"{100 * v['budget_accuracy'][str(b)]:.1f}" for b in budgets) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_budgets(path, results, budgets):
+    """Accuracy against token budget: one panel per benchmark (+ their mean), one line per checkpoint."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib not installed; budget.png skipped", file=sys.stderr)
+        return
+    benches = list(dict.fromkeys(b for c in results for b in results[c]))
+    panels = benches + (["mean"] if len(benches) > 1 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for c, per in results.items():
+            parts = [per[b] for b in (benches if panel == "mean" else [panel]) if b in per]
+            ys = [100 * statistics.fmean(p["budget_accuracy"][str(b)] for p in parts) for b in budgets]
+            ax.plot(budgets, ys, marker="o", label=c)
+        ax.set(title=panel, xlabel="token budget", ylabel="accuracy %", ylim=(0, None))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, png.getvalue())
+
+
+def write_outputs(out, names, samples, summary, budgets):
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / names[0], "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    write_atomic(out / names[1], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    table = markdown(summary["results"], budgets)
+    write_atomic(out / names[2], table)
+    if budgets:
+        plot_budgets(out / "budget.png", summary["results"], budgets)
+    print(table)
+    print(f"wrote {out / names[0]}, {out / names[1]}, {out / names[2]}" + (", budget.png" if budgets else ""))

@@ -1,0 +1,126 @@
+"""eval.py's generation journal: every finished engine request on disk as it finishes, so a stopped evaluation
+continues where it stopped (rerun it with the same arguments and --out).
+
+OUT/journal/<checkpoint>.settings.json  what the completions depend on beyond their request (model, sampling,
+                                        engine, dtype): a rerun under other settings dies instead of mixing them
+OUT/journal/<checkpoint>.rank<R>.jsonl  one JSON line per finished request, appended and fsync'ed by rank R:
+                                        {"key": sha1 of (input ids, max_tokens, seed), "ids": [...], "stopped": b}
+
+A request is identified by what it sends the engine, not by its place in a batch: every rank reads every rank's
+lines on a rerun, so the number of ranks may change, and a multi-turn trajectory replays its finished turns and
+asks the engine only for the rest. A SIGKILL can leave half a line at the end of a file: it is ignored (and cut
+off before rank R appends to its own file again), so that request is generated again, never duplicated.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from cli import die, write_atomic
+from engines import Completion
+
+
+def slot(name):
+    """A file-name stem for a checkpoint argument: readable, and distinct for distinct arguments."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_.")[-48:] or "model"
+    return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
+def request_key(ids, max_tokens, seed):
+    return hashlib.sha1(json.dumps([list(ids), int(max_tokens), seed]).encode()).hexdigest()
+
+
+class Journal:
+    """The finished requests of one checkpoint: `done` (key -> Completion) from every rank's file, and `record`
+    appending this rank's new ones."""
+
+    def __init__(self, directory, name, rank, settings, flag="--out"):
+        self.done, self.file = {}, None
+        if directory is None:  # in memory only (tests, benchmarks)
+            return
+        self.dir = Path(directory)
+        self.stem = slot(name)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.dir / f"{self.stem}.settings.json"
+        text = json.dumps(settings, indent=1, sort_keys=True) + "\n"
+        if meta.exists() and meta.read_text() != text:
+            old = json.loads(meta.read_text())
+            diff = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
+            die(f"{flag} {self.dir.parent}: holds generations of {name} under other settings ({', '.join(diff)}); "
+                f"use another {flag} or delete {self.dir}")
+        write_atomic(meta, text)  # every rank writes the same text
+        for f in sorted(self.dir.glob(f"{self.stem}.rank*.jsonl")):
+            self.done.update(self._read(f))
+        self.path = self.dir / f"{self.stem}.rank{rank}.jsonl"
+        self._cut_torn_tail()
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    @staticmethod
+    def _read(path):
+        out = {}
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # the half line a kill left
+                try:
+                    rec = json.loads(line)
+                    out[rec["key"]] = Completion(rec["ids"], [math.nan] * len(rec["ids"]), rec["stopped"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return out
+
+    def _cut_torn_tail(self):
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+
+    def record(self, key, completion):
+        """Append one finished request and make it durable before going on."""
+        if self.file is not None:
+            self.file.write(json.dumps({"key": key, "ids": list(completion.token_ids),
+                                        "stopped": bool(completion.stopped)}) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        self.done[key] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
+                                    completion.stopped)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+class Journaled:
+    """An engine for rollout.sample that answers requests the journal holds and sends the engine only the others, all
+    in one call (bounded by max_in_flight), recording each as it finishes. on_request(n): n more requests done
+    (progress). Log-probs are not asked for: eval.py keeps none (NaN in the completions)."""
+
+    def __init__(self, engine, journal, max_in_flight=None, on_request=None, on_call=None):
+        self.engine, self.journal, self.max_in_flight = engine, journal, max_in_flight
+        self.on_request, self.on_call = on_request or (lambda n: None), on_call or (lambda n: None)
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+
+    def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), eos_ids=None,
+                 timeout=None):
+        m = len(prompt_token_ids)
+        limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * m
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * m
+        keys = [request_key(p, n, s) for p, n, s in zip(prompt_token_ids, limits, seeds)]
+        todo = [i for i, k in enumerate(keys) if k not in self.journal.done]
+        self.on_call(m)
+        self.on_request(m - len(todo))
+
+        def finished(j, completion):
+            self.journal.record(keys[todo[j]], completion)
+            self.on_request(1)
+
+        if todo:
+            self.engine.generate([prompt_token_ids[i] for i in todo], [limits[i] for i in todo], temperature=temperature,
+                                 top_p=top_p, seed=[seeds[i] for i in todo], stop=stop, eos_ids=eos_ids,
+                                 timeout=timeout, logprobs=False, on_finish=finished, max_in_flight=self.max_in_flight)
+        return [self.journal.done[k] for k in keys]

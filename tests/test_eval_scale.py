@@ -1,0 +1,187 @@
+"""eval.py at scale: the engine's bounded in-flight requests and per-request callback, the reference defaults end to
+end, one engine for two checkpoints of one architecture (against one engine each), a run killed mid-way and
+resumed (against the uninterrupted run) and 2 ranks under torchrun (against 1 rank): greedy, fp32, token for token.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import data
+import model
+from conftest import ROOT
+from repetition import is_repeated
+
+ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+# 12 arithmetic problems, 40 tokens each, at most 3 requests in the engine at once: they finish in waves
+ARGS = ["--benchmarks", "arith_test", "--limit", "12", "--max-response-tokens", "40", "--budgets", "none",
+        "--engine-dtype", "float32", "--enforce-eager", "--max-in-flight", "3"]
+
+
+def eval_cmd(*argv):
+    return [sys.executable, str(ROOT / "eval.py"), *map(str, argv)]
+
+
+def run_eval(*argv, timeout=600):
+    r = subprocess.run(eval_cmd(*argv), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- the engines' new arguments
+
+def check_bounded_callbacks(engine, prompts, bound, in_flight=None):
+    """generate(max_in_flight=bound, on_finish=...) == generate() token for token; on_finish sees every request
+    once, with the completion that is returned."""
+    whole = engine.generate(prompts, 12, temperature=0.0, seed=list(range(len(prompts))))
+    seen = {}
+
+    def finished(i, c):
+        assert i not in seen
+        seen[i] = c
+        if in_flight is not None:
+            assert in_flight() <= bound
+
+    got = engine.generate(prompts, 12, temperature=0.0, seed=list(range(len(prompts))), on_finish=finished,
+                          max_in_flight=bound, logprobs=False)
+    assert [c.token_ids for c in got] == [c.token_ids for c in whole]
+    assert [c.stopped for c in got] == [c.stopped for c in whole]
+    assert sorted(seen) == list(range(len(prompts))) and all(seen[i] == got[i] for i in seen)
+    return got
+
+
+def prompts_of(tokenizer, n):
+    return [data.prompt_ids(tokenizer, r["messages"]) for r in data.load_dataset("gsm8k", "eval", n)]
+
+
+def test_hf_engine_bounds_its_batch_and_reports_each_request(tiny_model_dir):
+    import engines
+
+    engine = engines.make_engine(tiny_model_dir, kind="hf", dtype="float32")
+    got = check_bounded_callbacks(engine, prompts_of(engine.tokenizer, 5), bound=2)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in got)
+
+
+# ----------------------------------------------------------------------------- the reference's defaults
+
+@pytest.mark.vllm
+def test_defaults_clamp_the_cap_sweep_the_reference_budgets_and_count_repeats(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    r = run_eval(tiny_model_dir, "--benchmarks", "gsm8k", "--limit", 2, "--engine-dtype", "float32",
+                 "--enforce-eager", "--out", out)
+    tok = model.load_tokenizer(tiny_model_dir)
+    longest = max(len(data.prompt_ids(tok, rec["messages"])) for rec in data.load_dataset("gsm8k", "eval", 2))
+    cap = 2048 - longest  # the tiny model's context window minus the longest prompt
+    notes = [x for x in r.stderr.splitlines() if "clamped" in x]
+    assert notes == [f"note: response cap 32768 clamped to {cap} tokens: the context of {tiny_model_dir} (2048) "
+                     f"minus the longest prompt ({longest})"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated_tokens"] == cap and summary["args"]["temperature"] == 0
+    budgets = [200, 400, 600, 800, 1000, 1200, 1600, cap]
+    stats = summary["results"][str(tiny_model_dir)]["gsm8k"]
+    assert list(stats["budget_accuracy"]) == [str(b) for b in budgets]
+    samples = lines(out / "samples.jsonl")
+    assert all(len(s["response_ids"]) <= cap for s in samples)
+    repeated = [is_repeated(s["response_ids"], s["truncated"]) for s in samples]
+    assert [s["repeated"] for s in samples] == repeated
+    assert stats["repeated"] == pytest.approx(sum(repeated) / 2)
+    assert sum(repeated) >= 1  # a random model's greedy decoding loops
+    assert "| truncated | repeated |" in (out / "summary.md").read_text()
+
+
+# ----------------------------------------------------------------------------- one engine, resume, ranks
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, tmp_path_factory):
+    """Two checkpoints of one architecture (random weights, seeds 0 and 1) and one eval.py call over both: one
+    engine, the second checkpoint's weights loaded through sync_weights."""
+    other = model.make_tiny(tmp_path_factory.mktemp("tiny1") / "model", seed=1)
+    out = tmp_path_factory.mktemp("both") / "out"
+    r = run_eval(tiny_model_dir, other, *ARGS, "--out", out)
+    return tiny_model_dir, other, out, r
+
+
+@pytest.mark.vllm
+def test_one_engine_for_two_checkpoints_equals_one_engine_each(pair, tmp_path):
+    first, other, out, r = pair
+    assert r.stdout.count("engine start") == 1 and f"{other}: weights loaded" in r.stdout
+    assert r.stderr.count("Unknown vLLM environment variable") == 0
+    run_eval(other, *ARGS, "--out", tmp_path / "alone")
+    both = lines(out / "samples.jsonl")
+    alone = lines(tmp_path / "alone" / "samples.jsonl")
+    assert [s for s in both if s["checkpoint"] == str(other)] == alone
+    mine = [s for s in both if s["checkpoint"] == str(first)]
+    assert len(mine) == len(alone) == 12
+    # the swap happened: the other weights answer differently
+    assert [s["response_ids"] for s in mine] != [s["response_ids"] for s in alone]
+
+
+@pytest.mark.vllm
+def test_a_killed_run_resumes_without_losing_or_repeating_a_sample(pair, tmp_path):
+    first, other, ref, _ = pair
+    out = tmp_path / "out"
+    proc = subprocess.Popen(eval_cmd(first, other, *ARGS, "--out", out), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journals = out / "journal"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:  # kill as soon as the first checkpoint has a few finished samples on disk
+            written = [f for f in journals.glob("*.rank0.jsonl") if f.read_text().count("\n") >= 3]
+            if written:
+                break
+            assert proc.poll() is None, "eval.py ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert written, "no samples on disk within 300 s"
+    before = written[0].read_text().splitlines()
+    assert 3 <= len(before) < 12 and not (out / "samples.jsonl").exists()
+    with open(written[0], "a") as f:  # a kill in the middle of a write
+        f.write('{"key": "abc", "ids": [1, 2')
+    run_eval(first, other, *ARGS, "--out", out)
+    assert (out / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()
+    after = written[0].read_text().splitlines()
+    assert after[:len(before)] == before  # kept, never regenerated
+    for f in journals.glob("*.jsonl"):
+        keys = [json.loads(x)["key"] for x in f.read_text().splitlines()]
+        assert len(keys) == len(set(keys)) == 12, f  # one line per sample, none twice
+    # a rerun of a finished evaluation generates nothing and writes the same
+    run_eval(first, other, *ARGS, "--out", out)
+    assert written[0].read_text().splitlines() == after
+    assert (out / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()
+
+
+@pytest.mark.vllm
+def test_other_settings_in_the_same_out_die_in_one_line(pair, tmp_path):
+    first, _, ref, _ = pair
+    out = tmp_path / "out"
+    run_eval(first, *ARGS, "--out", out)
+    r = subprocess.run(eval_cmd(first, *ARGS, "--temperature", "0.5", "--out", out), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    err = r.stderr.strip().splitlines()  # before any engine starts
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith(f"error: --out {out}: holds generations of "
+                                                                     f"{first} under other settings"), r.stderr
+    assert "temperature" in err[0]
+
+
+def test_two_ranks_write_what_one_rank_writes(pair, torchrun, vllm_two_rank_env, tmp_path):
+    first, other, ref, _ = pair
+    out = tmp_path / "out"
+    r = torchrun("eval.py", first, other, *ARGS, "--out", out,
+                 env={**vllm_two_rank_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()
+    two, one = (json.loads((d / "summary.json").read_text()) for d in (out, ref))
+    assert two["results"] == one["results"] and (two["ranks"], one["ranks"]) == (2, 1)
+    for stem in {f.name.rsplit(".rank", 1)[0] for f in (out / "journal").glob("*.jsonl")}:  # each rank its shard
+        shards = [lines(out / "journal" / f"{stem}.rank{r}.jsonl") for r in (0, 1)]
+        assert [len(x) for x in shards] == [6, 6]
