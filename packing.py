@@ -127,13 +127,16 @@ def padding_counts(batch, groups):
     return {"padding": computed - real, "computed": computed}
 
 
-def forward_pass(fn, batch, autocast, device, size=None, tokens=None, desc=None):
+def forward_pass(fn, batch, autocast, device, size=None, tokens=None, desc=None, check=None):
     """fn(packed micro-batch) -> [b, r], without gradients, over every micro-batch (micro_batches) -> [B, R] on the
-    batch's full width, in batch order. desc: a transient progress bar with this label (None: no bar)."""
+    batch's full width, in batch order. desc: a transient progress bar with this label (None: no bar). check: called
+    before each micro-batch (train.py's faults.Guard.check: may end the pass)."""
     B, R = batch["response_ids"].shape
     out = torch.zeros(B, R)
     for rows in tqdm(micro_batches(batch, torch.arange(B), size, tokens, device), desc=desc, disable=desc is None,
                      leave=False, unit="micro"):
+        if check is not None:
+            check()
         with torch.no_grad(), autocast():
             res = fn(pack(batch, rows, device)).float()   # [b, r]
         out[rows, :res.shape[1]] = res.cpu()

@@ -1,5 +1,6 @@
 """Data parallelism for train.py: the process group and its collectives, FSDP2 sharding, loading each rank's
-shard, sharded checkpoints and the Hugging Face export (micro-batches: packing.py).
+shard, the engine's weight sync and the Hugging Face export (micro-batches: packing.py; checkpoints:
+checkpoint.py).
 
 Plumbing only: the method lives in rollout.py (sampling), reward.py, ppo.py and train.py; this file makes it
 run on one rank or many. Every function that gathers or reduces is a collective: every rank calls it.
@@ -10,11 +11,9 @@ import json
 import math
 import os
 import random
-import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -236,75 +235,7 @@ def check_shared_out(out, rank, world, device):
             f"on a filesystem shared by every node (checkpoints and metrics are written by rank 0 and read by all)")
 
 
-# ----------------------------------------------------------------------------- checkpoints and export
-
-def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None):
-    """OUT/step_N: the HF export of the actor (and the critic), the sharded FSDP2 state of each model and its
-    optimiser, each rank's RNG state and trainer_state (JSON). Written to step_N.tmp and renamed, then OUT/latest
-    points at it: latest always names a complete checkpoint. models: {"actor": (model, optimiser), "critic": ...}.
-    Every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    out, rank = Path(out), _rank()
-    final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    try:
-        save_hf(models["actor"][0], tokenizer, tmp / "actor")
-        if "critic" in models:
-            save_critic(models["critic"][0], tmp / "critic")
-        sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
-        dcp.save(sharded, checkpoint_id=str(tmp / "sharded"))
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-                   tmp / f"rng_rank{rank}.pt")
-    except (OSError, RuntimeError):
-        disk_full_error(out, step, tmp)
-        raise
-    barrier()
-    if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-        os.replace(tmp, final)
-        link = out / "latest.tmp"
-        link.unlink(missing_ok=True)
-        link.symlink_to(final.name)
-        os.replace(link, out / "latest")
-        if keep_last:
-            for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-def disk_full_error(out, step, tmp, spare=64 * 2**20):
-    """A checkpoint write failed: when the disk under OUT is (nearly) full, remove the partial step_N.tmp and die
-    with one line instead of the writer's traceback (torch's is "unexpected pos"); otherwise return."""
-    free = shutil.disk_usage(out).free
-    if free >= spare:
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
-    die(f"--out {out}: the disk filled up while writing checkpoint step {step} ({free / 2**20:.1f} MiB were left); "
-        f"free space there, write to a larger disk, or keep fewer checkpoints with --keep-last")
-
-
-def load_checkpoint(path, models):
-    """Restore what save_checkpoint wrote into the models and optimisers and this rank's RNGs -> trainer_state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(path)
-    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
-    dcp.load(sharded, checkpoint_id=str(path / "sharded"))
-    for name, (m, o) in models.items():
-        set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"])
-    rng = torch.load(path / f"rng_rank{_rank()}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    return json.loads((path / "trainer_state.json").read_text())
-
+# ----------------------------------------------------------------------------- weight sync and export
 
 def full_state_dict(model, dtype=None):
     """Yield (HF name, full tensor) one parameter at a time, for the engine's weight sync (DTensor.full_tensor()

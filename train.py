@@ -21,8 +21,8 @@ the sums running over every rank's action tokens of a mini-batch (token-mean; ac
 With gae and rloo the KL to the reference is a per-token reward instead: r_t = score [t = last] - beta KL_t.
 """
 import argparse
+import functools
 import math
-import signal
 import sys
 import time
 
@@ -31,17 +31,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import faults
 import ppo
 import reward
 import rollout
+from checkpoint import damage, rng_states, save_checkpoint
 from cli import ArgumentParser, deprecated, die, positive_int
 from model import token_logprobs
 from logs import format_line, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
-from parallel import (all_reduce_dict, all_reduce_sum, barrier, close_distributed, full_state_dict, reshard,
-                      save_checkpoint)
+from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, full_state_dict, reshard
 from system import quiet_logs
-from trainer_setup import models_and_optimisers, resume, setup, trainer_state
+from trainer_setup import logged_validations, models_and_optimisers, resume, setup, trainer_state
 
 
 def parse_args(argv=None):
@@ -99,6 +100,10 @@ def parse_args(argv=None):
     a("--no-whiten", action="store_true", help="do not whiten GAE advantages")
     # bookkeeping and platform
     a("--save-freq", type=int, default=0, help="checkpoint every N steps (0 = only at the end)")
+    a("--save-minutes", type=float, default=None, help="also checkpoint after a step when M minutes have passed "
+                                                        "since the last checkpoint")
+    a("--shutdown-grace", type=float, default=20, help="seconds a SIGTERM leaves for its checkpoint before this "
+                                                        "process exits anyway (torchrun and SLURM kill after 30)")
     a("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
     a("--val-freq", type=int, default=0, help="validate every N steps (0 = never)")
     a("--test-freq", dest="val_freq", type=int, help=argparse.SUPPRESS, action=deprecated("--test-freq", "--val-freq"))
@@ -139,6 +144,9 @@ def check_args(args):
         die(f"--length-coef must be >= 0, got {args.length_coef}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         die(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    for flag in ("save_minutes", "shutdown_grace"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.dist_timeout <= 0:
         die(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     if args.rollout_is_cap < 0 or 0 < args.rollout_is_cap < 1:
@@ -155,96 +163,135 @@ def main(argv=None):
     args = parse_args(argv)
     quiet_logs(args.verbose)
     run = setup(args)  # process group, dtypes, data, models, engine; every rank
-    start_step = resume(args, run) if args.resume else 0
-    stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    state = resume(args, run) if args.resume else None  # the checkpoint's trainer state; None: a fresh run
+    guard = faults.Guard(run.rank, run.world, args.dist_timeout, args.shutdown_grace)  # SIGTERM, hung ranks
     logger = make_logger(args, run.out) if run.master else None
-    val_history = []
-    if args.val_before_train and run.val_records and start_step == 0:
-        m = validate(run, args)
-        val_history.append((0, m))
-        if run.master:
-            print(f"[val] step 0  acc {m['val/acc']:.3f}  tokens {m['val/response_length']:.1f}  "
-                  f"turns {m['val/turns']:.2f}  ({m['time/validate']:.1f}s)", flush=True)
-            logger({"step": 0, **m})
+    log = functools.partial(log_step, run, logger)
+    val_history = logged_validations(run) if state else []
+    if state and state.get("pending"):  # stopped by a SIGTERM after its update, before its validation
+        log({**state["pending"], **validate(run, args)}, val_history)
+    if args.val_before_train and run.val_records and state is None:
+        log({"step": 0, **validate(run, args)}, val_history)
 
-    bad_steps = 0
-    for step in range(start_step + 1, run.total_steps + 1):
+    bad_steps, last_save = 0, time.time()
+    for step in range((state or {}).get("step", 0) + 1, run.total_steps + 1):
         timer, t_step = {}, time.time()
         bar = (lambda phase: f"step {step} {phase}") if run.master else (lambda phase: None)  # tqdm on rank 0
+        guard.start_step(step)
+        rng_at_start = rng_states()  # what a checkpoint of the state this step starts from records
+        try:
+            # ---- 1. rollout: this rank's share of the global batch, multi-turn with interventions
+            with timed(timer, "rollout"):
+                trajs = guard.run("rollout", lambda: sample_batch(run, args, step, desc=bar("rollout")),
+                                  interruptible=True)  # a SIGTERM cuts it short: no collective inside
+                run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
+                batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
 
-        # ---- 1. rollout: this rank's share of the global batch, multi-turn with interventions
-        with timed(timer, "rollout"):
-            trajs = sample_batch(run, args, step, desc=bar("rollout"))
-            run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
-            batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
+            # ---- 2. score: binary accuracy of the final answer (minus the length cost, if any)
+            with timed(timer, "reward"):
+                results = guard.run("reward", lambda: score(trajs, run.train_records, args))
+                scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)  # [B]
 
-        # ---- 2. score: binary accuracy of the final answer (minus the length cost, if any)
-        with timed(timer, "reward"):
-            results = score(trajs, run.train_records, args)
-            scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)  # [B]
+            # ---- 3. reference and old log-probs, values (no grad, micro-batched)
+            with timed(timer, "logprobs"):
+                ref_logprobs, old_logprobs, old_values = guard.run(
+                    "logprobs", lambda: no_grad_passes(run, args, batch, bar, guard.check))  # [B, R] each or None
 
-        # ---- 3. reference and old log-probs, values (no grad, micro-batched)
-        with timed(timer, "logprobs"):
-            ref_logprobs, old_logprobs, old_values = no_grad_passes(run, args, batch, bar)  # [B, R] each or None
+            # ---- 4. advantages over action tokens
+            action_mask = batch["action_mask"].float()                                          # [B, R]
+            kl = (torch.zeros_like(ref_logprobs) if run.reuse_old  # measured in the update (grpo ignores it here)
+                  else ppo.kl_penalty(old_logprobs, ref_logprobs, args.kl_kind))                 # [B, R]
+            group_ids = torch.tensor([t["prompt_index"] for t in trajs])                         # [B]
+            advantages, returns = compute_advantages(args, scores, kl, run.kl_ctl.value, old_values, action_mask,
+                                                     group_ids, run.device)                      # [B, R] each
+            batch.update(ref_logprobs=ref_logprobs, advantages=advantages, action_mask=action_mask,
+                         old_logprobs=old_logprobs, old_values=old_values, returns=returns)
+            batch = {k: v for k, v in batch.items() if v is not None}
 
-        # ---- 4. advantages over action tokens
-        action_mask = batch["action_mask"].float()                                              # [B, R]
-        kl = (torch.zeros_like(ref_logprobs) if run.reuse_old  # measured in the update (grpo ignores it here)
-              else ppo.kl_penalty(old_logprobs, ref_logprobs, args.kl_kind))                     # [B, R]
-        group_ids = torch.tensor([t["prompt_index"] for t in trajs])                             # [B]
-        advantages, returns = compute_advantages(args, scores, kl, run.kl_ctl.value, old_values, action_mask,
-                                                 group_ids, run.device)                          # [B, R] each
-        batch.update(ref_logprobs=ref_logprobs, advantages=advantages, action_mask=action_mask,
-                     old_logprobs=old_logprobs, old_values=old_values, returns=returns)
-        batch = {k: v for k, v in batch.items() if v is not None}
-
-        # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
-        with timed(timer, "update"):
-            stats, skipped, update_groups = ppo_epochs(run, args, batch, step, desc=bar("update"))
+            # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
+            with timed(timer, "update"):
+                stats, skipped, update_groups = guard.run(
+                    "update", lambda: ppo_epochs(run, args, batch, step, desc=bar("update"), guard=guard), commits=True)
+        except faults.StepAbandoned:  # a SIGTERM before this step changed the weights: keep the state it started from
+            save_or_keep(run, args, step - 1, guard, rng_at_start)
+            guard.exit_preempted(step - 1, run.master)
         bad_steps = bad_steps + 1 if skipped else 0
 
-        # ---- 6. sync the new weights into the engine
+        # ---- 6. sync the new weights into the engine (not when stopping: the checkpoint has them)
         with timed(timer, "sync"):
-            run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype))  # wakes the weights; KV: in generate
+            if not guard.stopping:
+                guard.run("sync", lambda: run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype)))
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step
-        metrics = step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats, skipped,
-                               update_groups, timer)
+        metrics = guard.run("metrics", lambda: step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs,
+                                                            stats, skipped, update_groups, timer))
         run.kl_ctl.update(metrics["kl/mean"], args.batch_size * args.samples_per_prompt)
 
-        # ---- 8. validate
+        # ---- 8. validate (a SIGTERM leaves it to the resumed run: the step's line waits in the checkpoint)
+        pending = None
         if args.val_freq and run.val_records and (step % args.val_freq == 0 or step == run.total_steps):
-            m = validate(run, args)
-            val_history.append((step, m))
-            metrics.update(m)
-        if run.master:
-            logger(metrics)
-            print(format_line(metrics, run.total_steps), flush=True)
+            m = None if guard.stopping else guard.run("validate", lambda: validate(run, args), interruptible=True)
+            pending = metrics if m is None else None
+            metrics.update(m or {})
+        if pending is None:
+            log(metrics, val_history)
         if bad_steps >= args.max_bad_steps:
             die(f"{bad_steps} steps in a row had a non-finite loss or gradient norm; stopping "
                 f"(last good checkpoint: {run.out / 'latest'})")
 
-        # ---- 9. checkpoint (atomic), also on SIGTERM
-        stop = bool(all_reduce_sum([float(bool(stop_requested))], run.device)[0])
-        if (args.save_freq and step % args.save_freq == 0) or step == run.total_steps or stop:
-            t0 = time.time()
-            save_checkpoint(run.out, step, models_and_optimisers(run), run.tokenizer, trainer_state(args, run, step),
-                            args.keep_last)
-            if run.master:
-                print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s)", flush=True)
-        if stop:
-            if run.master:
-                print(f"[signal] SIGTERM: checkpointed step {step}, exiting", flush=True)
-            break
+        # ---- 9. checkpoint (atomic): every --save-freq steps or --save-minutes, at the end, on SIGTERM
+        due_by_time = bool(args.save_minutes) and all_reduce_sum(
+            [float(time.time() - last_save >= 60 * args.save_minutes)], run.device)[0] > 0
+        if (args.save_freq and step % args.save_freq == 0) or step == run.total_steps or guard.stopping or due_by_time:
+            save(run, args, step, guard, pending=pending)
+            last_save = time.time()
+        if guard.stopping:
+            guard.exit_preempted(step, run.master)
 
     if run.master:
         report(val_history, run.out)
     barrier()  # no rank tears the process group down while rank 0 still writes the report
+    guard.close()
     run.engine.close()  # vLLM's teardown also destroys the default process group under torchrun
-    del run             # the models: FSDP holds the group in cycles, freed by close_distributed's collection
+    run = None          # the models: FSDP holds the group in cycles, freed by close_distributed's collection
     close_distributed()
+
+
+def log_step(run, logger, metrics, val_history):
+    """One step's line (metrics.jsonl, the console) on rank 0; a validation joins the before/after report."""
+    if "val/acc" in metrics:
+        val_history.append((metrics["step"], metrics))
+    if not run.master:
+        return
+    logger(metrics)
+    if "reward/mean" in metrics:
+        print(format_line(metrics, run.total_steps), flush=True)
+    else:
+        print(f"[val] step {metrics['step']}  acc {metrics['val/acc']:.3f}  tokens {metrics['val/response_length']:.1f}  "
+              f"turns {metrics['val/turns']:.2f}  ({metrics['time/validate']:.1f}s)", flush=True)
+
+
+def save(run, args, step, guard, rng=None, pending=None):
+    """Checkpoint `step` (the watchdog lets a started write finish); pending: the step's metrics line, held back
+    until the resumed run has validated."""
+    t0 = time.time()
+    with guard.writing_checkpoint():
+        guard.run("checkpoint", lambda: save_checkpoint(run.out, step, models_and_optimisers(run), run.tokenizer,
+                                                         trainer_state(args, run, step, pending), args.keep_last, rng),
+                  decides=False)
+    if run.master:
+        print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s)", flush=True)
+
+
+def save_or_keep(run, args, step, guard, rng):
+    """The abandoned step's predecessor `step` as a checkpoint: already on disk and complete (--save-freq), else
+    written now. Step 0 needs none: the resumed run starts afresh, as this one did."""
+    for _, opt in models_and_optimisers(run).values():  # the abandoned micro-batches' gradients: not state
+        opt.zero_grad(set_to_none=True)
+    ckpt = run.out / f"step_{step:06d}"
+    if step and not (ckpt.exists() and (run.out / "latest").resolve() == ckpt.resolve() and damage(ckpt) is None):
+        save(run, args, step, guard, rng)
 
 
 # ----------------------------------------------------------------------------- the method, step by step
@@ -273,13 +320,14 @@ def score(trajs, records, args):
                               **length)
 
 
-def no_grad_passes(run, args, batch, bar):
+def no_grad_passes(run, args, batch, bar, check=None):
     """Reference log-probs, old log-probs (None when the update's own forward supplies them: run.reuse_old)
-    and old values (None without a critic), each [B, R]."""
+    and old values (None without a critic), each [B, R]. check: called between micro-batches (faults.Guard)."""
     def lp(model):
         return lambda mb: token_logprobs(model, mb, temperature=args.temperature)
 
-    fwd = dict(size=args.micro_batch_size, tokens=args.micro_batch_tokens, autocast=run.autocast, device=run.device)
+    fwd = dict(size=args.micro_batch_size, tokens=args.micro_batch_tokens, autocast=run.autocast, device=run.device,
+               check=check)
     ref = forward_pass(lp(run.ref), batch, **fwd, desc=bar("ref logprobs"))
     old = None if run.reuse_old else forward_pass(lp(run.actor), batch, **fwd, desc=bar("old logprobs"))
     values = None
@@ -307,9 +355,10 @@ def compute_advantages(args, scores, kl, kl_coef, old_values, action_mask, group
     return ppo.group_advantages(rewards.sum(1), group_ids, action_mask, "rloo"), None
 
 
-def ppo_epochs(run, args, batch, step, desc=None):
+def ppo_epochs(run, args, batch, step, desc=None, guard=None):
     """--ppo-epochs passes over the batch in shuffled mini-batches, one optimiser step each -> (statistics per
-    mini-batch, skipped steps, the micro-batches as the update cut them: for the padding metric)."""
+    mini-batch, skipped steps, the micro-batches as the update cut them: for the padding metric). guard:
+    faults.Guard, asked between micro-batches until the first optimiser step."""
     stats, skipped, groups = [], 0, []
     rows = len(batch["response_ids"])
     local_mini = run.mini_size // run.world
@@ -323,7 +372,7 @@ def ppo_epochs(run, args, batch, step, desc=None):
                                   args.micro_batch_tokens, run.device)
             groups += micro
             s, n_skipped = ppo_update(run.actor, run.critic, run.actor_opt, run.critic_opt, batch, micro, args,
-                                      run.autocast, run.device)
+                                      run.autocast, run.device, guard)
             stats.append(s)
             skipped += n_skipped
             progress.update()
@@ -333,17 +382,17 @@ def ppo_epochs(run, args, batch, step, desc=None):
     return stats, skipped, groups
 
 
-def ppo_update(actor, critic, actor_opt, critic_opt, batch, micro, args, autocast, device):
+def ppo_update(actor, critic, actor_opt, critic_opt, batch, micro, args, autocast, device, guard=None):
     """One optimiser step of the actor and one of the critic on a mini-batch of trajectories (this rank's rows, cut
     into micro-batches `micro`: packing.micro_batches) -> (statistics averaged over every rank's action tokens,
     number of skipped steps)."""
     tokens = all_reduce_sum([float(batch["action_mask"][torch.cat(micro)].sum())], device)[0]  # the global mini-batch's
     stats, ok = accumulate_and_step(actor, actor_opt, lambda mb: actor_loss(actor, mb, args), batch, micro, tokens,
-                                    args, autocast, device, "actor/grad_norm")
+                                    args, autocast, device, "actor/grad_norm", guard)
     skipped = int(not ok)
     if critic is not None:
         critic_stats, ok = accumulate_and_step(critic, critic_opt, lambda mb: critic_loss(critic, mb, args), batch,
-                                               micro, tokens, args, autocast, device, "critic/grad_norm")
+                                               micro, tokens, args, autocast, device, "critic/grad_norm", guard)
         stats.update(critic_stats)
         skipped += not ok
     return stats, skipped
@@ -386,7 +435,8 @@ def critic_loss(critic, mb, args):
     return loss, {"loss/vf": loss.detach(), **{f"critic/{k}": val for k, val in s.items()}}
 
 
-def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocast, device, norm_key="grad_norm"):
+def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocast, device, norm_key="grad_norm",
+                        guard=None):
     """Accumulate loss_fn's gradients over the micro-batches `micro` (row-index tensors), then one clipped optimiser
     step, skipped on every rank when any rank's loss or the gradient norm is not finite -> (stats incl. norm_key,
     stepped).
@@ -400,6 +450,8 @@ def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocas
     sums, finite = {}, True
     rows_total = sum(len(rows) for rows in micro)
     for rows in micro:
+        if guard is not None:
+            guard.check()  # a SIGTERM abandons the step here while no optimiser step has changed the weights
         mb = pack(batch, rows, device)
         if args.loss_agg == "token-mean":
             weight = float(mb["action_mask"].sum()) * world / max(tokens, 1.0)
@@ -422,6 +474,8 @@ def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocas
               file=sys.stderr, flush=True)
         return stats, False
     opt.step()
+    if guard is not None:
+        guard.weights_changed = True
     opt.zero_grad(set_to_none=True)  # the gradients' memory is free before the engine wakes (and between models)
     return stats, True
 

@@ -20,7 +20,8 @@ import rollout
 from cli import die, write_atomic
 from model import (check_attn_implementation, compile_model, compiler_missing, end_of_turn_ids, load_causal_lm,
                    load_critic, load_tokenizer, refuse_unsupported, resolve_model)
-from parallel import check_shared_out, full_state_dict, init_distributed, load_checkpoint, load_sharded
+from checkpoint import find_resumable, load_checkpoint
+from parallel import check_shared_out, full_state_dict, init_distributed, load_sharded
 from perf import model_shape, peak_tflops
 from system import choose_dtype, keep_freed_memory, trainer_threads
 
@@ -147,24 +148,34 @@ def lr_lambda(total_steps, warmup_ratio):
 
 
 def resume(args, run):
-    """Continue from OUT/latest when it exists -> the step it holds (0 when there is none)."""
-    if not (run.out / "latest").exists():
-        if run.master:  # say so: a mistyped --out would otherwise retrain silently
-            print(f"[resume] no checkpoint in {run.out}: starting at step 0", flush=True)
-        return 0
-    ckpt = (run.out / "latest").resolve()
+    """Continue from the newest complete checkpoint (checkpoint.find_resumable: OUT/latest unless it is damaged) ->
+    its trainer state, or None where OUT holds none (a fresh run: metrics.jsonl from an earlier one is dropped)."""
+    say = print if run.master else (lambda *a, **k: None)
+    ckpt = find_resumable(run.out, log=lambda line: say(line, flush=True))
+    metrics_file = run.out / "metrics.jsonl"
+    if ckpt is None:
+        say(f"[resume] no checkpoint in {run.out}: starting at step 0", flush=True)  # (a mistyped --out)
+        if run.master:
+            metrics_file.unlink(missing_ok=True)
+        return None
     state = load_checkpoint(ckpt, models_and_optimisers(run))
     for sched, sd in zip(run.schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
     run.kl_ctl.load_state_dict(state["kl_ctl"])
     step = state["step"]
-    metrics_file = run.out / "metrics.jsonl"
     if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
         write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
     run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype))
-    if run.master:
-        print(f"[resume] {ckpt} at step {step}", flush=True)
-    return step
+    say(f"[resume] {ckpt} at step {step}" + (" (its validation was cut short: running it first)"
+                                               if state.get("pending") else ""), flush=True)
+    return state
+
+
+def logged_validations(run):
+    """[(step, metrics)] of the validations metrics.jsonl holds (rank 0): the resumed run's before/after report."""
+    path = run.out / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if run.master and path.exists() else []
+    return [(r["step"], r) for r in rows if r.get("val/acc") is not None]
 
 
 def models_and_optimisers(run):
@@ -172,6 +183,8 @@ def models_and_optimisers(run):
     return {"actor": (run.actor, run.actor_opt), **({"critic": (run.critic, run.critic_opt)} if run.critic is not None else {})}
 
 
-def trainer_state(args, run, step):
+def trainer_state(args, run, step, pending=None):
+    """What a checkpoint holds besides models, optimisers and RNGs. pending: the step's metrics line when a SIGTERM
+    stopped the run before the step's validation (the resumed run validates, then logs it)."""
     return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
-            "schedulers": [s.state_dict() for s in run.schedulers]}
+            "schedulers": [s.state_dict() for s in run.schedulers], "world_size": run.world, "pending": pending}

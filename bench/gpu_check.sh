@@ -133,7 +133,7 @@ if [[ $PARTS == *" tests "* ]]; then
 echo "== pytest: the files that need no vLLM"
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider tests/test_data.py tests/test_reward.py \
     tests/test_ppo.py tests/test_model.py tests/test_packing.py tests/test_engine.py tests/test_train_units.py \
-    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py \
+    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py tests/test_gpu_path.py \
     -k "not smollm2_generates" -rs 2>&1 | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
 fi

@@ -187,9 +187,12 @@ def test_activation_peak_is_read_from_the_worker_or_bounded_at_the_first_sleep(m
 
 # ----------------------------------------------------------------------------- FSDP2 around the no-grad passes
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where init_distributed's mesh is
+
+
 def sharded_tiny(path, critic=False):
     build = M.load_critic if critic else M.load_causal_lm
-    m = parallel.shard(build(path, attn_implementation="varlen"))
+    m = parallel.shard(build(path, attn_implementation="varlen").to(DEVICE))
     m.requires_grad_(False)
     return m
 
@@ -204,7 +207,7 @@ def test_no_grad_passes_reshard_every_model(tiny_model_dir, one_rank_group):
     gathered -- the reference's for the whole run, since it never runs backward."""
     run = SimpleNamespace(ref=sharded_tiny(tiny_model_dir), actor=sharded_tiny(tiny_model_dir),
                           critic=sharded_tiny(tiny_model_dir, critic=True), reuse_old=False,
-                          autocast=contextlib.nullcontext, device=torch.device("cpu"))
+                          autocast=contextlib.nullcontext, device=DEVICE)
     args = SimpleNamespace(micro_batch_size=2, micro_batch_tokens=None, temperature=1.0)
     ref, old, values = train.no_grad_passes(run, args, trajectories(), lambda phase: None)
     assert ref.shape == old.shape == values.shape == (5, 20)
@@ -220,7 +223,7 @@ def test_weight_sync_gathers_in_the_engine_dtype(tiny_model_dir, one_rank_group,
     assert gathered and set(gathered) == {torch.bfloat16}
     want = M.load_causal_lm(tiny_model_dir).state_dict()
     for name, t in synced.items():
-        assert t.dtype == torch.bfloat16 and torch.equal(t, want[name].to(torch.bfloat16)), name
+        assert t.dtype == torch.bfloat16 and torch.equal(t.cpu(), want[name].to(torch.bfloat16)), name
 
 
 # ----------------------------------------------------------------------------- threads after the engine starts

@@ -12,7 +12,7 @@ from conftest import ROOT, run_script
 pytestmark = pytest.mark.slow  # every test here starts train.py
 KEYS = ["step", "reward/mean", "acc/mean", "response_length/mean", "turns/mean", "kl/mean", "loss/pg", "loss/vf",
         "actor/clipfrac", "actor/approx_kl", "actor/entropy", "critic/explained_var", "actor/grad_norm", "time/rollout", "time/update",
-        "throughput/tokens_per_s"]
+        "throughput/tokens_per_s", "perf/tflops/logprobs", "perf/tflops/update"]
 
 
 def train_args(model_dir, out, steps, *extra):
@@ -174,7 +174,7 @@ def test_critic_free_training_and_validation(adv, tiny_model_dir, tmp_path):
     out = tmp_path / adv
     proc = run_script("train.py", *train_args(tiny_model_dir, out, 1, "--adv", adv, "--engine", "hf",
                                               "--mini-batch-size", "8", "--val-data", "arith_test", "--val-limit", "3",
-                                              "--val-before-train", "--val-freq", "1"),
+                                              "--val-before-train", "--val-freq", "1", "--peak-tflops", "0.5"),
                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
@@ -186,4 +186,8 @@ def test_critic_free_training_and_validation(adv, tiny_model_dir, tmp_path):
     # TIS is on by default; engine and trainer both fp32 transformers here: the weights stay ~1, none capped
     assert step["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-2) and step["rollout/is_clipped_share"] == 0
     assert ("taken from the update's forward" in proc.stdout) == (adv == "grpo")
+    for phase in ("logprobs", "update"):  # model FLOPs over the phase's time, as a share of the given peak
+        assert step[f"perf/tflops/{phase}"] > 0 and step[f"perf/mfu/{phase}"] == pytest.approx(
+            step[f"perf/tflops/{phase}"] / 0.5)
+    assert f"mfu {step['perf/mfu/update']:.0%}" in proc.stdout
     assert (out / "step_000001" / "actor" / "config.json").exists() and not (out / "step_000001" / "critic").exists()

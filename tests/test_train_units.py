@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import checkpoint
 import model as M
 import packing
 import parallel
@@ -246,7 +247,7 @@ def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
 
 
 def test_resume_without_checkpoint_says_so(tmp_path, capsys):
-    assert trainer_setup.resume(None, SimpleNamespace(out=tmp_path, master=True)) == 0
+    assert trainer_setup.resume(None, SimpleNamespace(out=tmp_path, master=True)) is None
     assert capsys.readouterr().out == f"[resume] no checkpoint in {tmp_path}: starting at step 0\n"
 
 
@@ -262,12 +263,12 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(parallel, "save_hf", writer_fails)
-    monkeypatch.setattr(parallel.shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 100_000, 100_000))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 100_000, 100_000))
     with pytest.raises(SystemExit) as e:
-        parallel.save_checkpoint(tmp_path, 3, {"actor": (None, None)}, None, {})
+        checkpoint.save_checkpoint(tmp_path, 3, {"actor": (None, None)}, None, {})
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and f"--out {tmp_path}" in err[0] and "--keep-last" in err[0]
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(parallel.shutil, "disk_usage", lambda p: usage(10 * 2**30, 0, 10 * 2**30))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10 * 2**30, 0, 10 * 2**30))
     with pytest.raises(RuntimeError, match="unexpected pos"):
-        parallel.save_checkpoint(tmp_path, 4, {"actor": (None, None)}, None, {})
+        checkpoint.save_checkpoint(tmp_path, 4, {"actor": (None, None)}, None, {})

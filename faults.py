@@ -1,0 +1,181 @@
+"""Faults on shared clusters, for train.py's loop: preemption (SIGTERM, then SIGKILL 30 s later from torchrun and
+SLURM alike), ranks that hang or die, and where in a step each happened.
+
+Every phase of a step ends at a boundary that all ranks pass together (Guard.phase): each rank posts its arrival
+and its SIGTERM flag in the process group's store, so a rank that does not arrive within --dist-timeout is named
+by every survivor (one line, exit 1: torchrun can restart the group), and every rank takes the same decision on a
+SIGTERM at the same point:
+  - before the update has changed the weights (rollout, scoring, the no-grad passes, the update's first
+    micro-batches): the step is abandoned (StepAbandoned) and train.py checkpoints the state it started from;
+    the rollout and validation are cut at once (their engine calls make no collectives), the no-grad passes and
+    the update agree between micro-batches (Guard.check);
+  - once an optimiser step has changed them: the step's update finishes (the safe point: its remaining
+    mini-batches) and train.py checkpoints the step, its validation left pending for the resumed run.
+A watchdog thread sees the signal even while the main thread waits inside a collective (a dead peer under NCCL):
+when no checkpoint is being written --shutdown-grace seconds later, it exits with 143 instead of waiting for the
+SIGKILL.
+"""
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+PREEMPTED = 143  # 128 + SIGTERM: schedulers and torchrun requeue / restart on a non-zero exit
+
+
+class StepAbandoned(Exception):
+    """Every rank agreed to stop before this step changed the weights: checkpoint the state the step started from."""
+
+
+class _Interrupted(BaseException):
+    """Raised by the SIGTERM handler inside an interruptible phase (a BaseException: no `except Exception` in the
+    engines swallows it)."""
+
+
+class Guard:
+    def __init__(self, rank, world, timeout, grace):
+        self.rank, self.world, self.timeout, self.grace = rank, world, timeout, grace
+        self.step, self.where = 0, "setup"
+        self.signalled = threading.Event()  # a SIGTERM reached this rank
+        self.stopping = False               # every rank agreed to stop after this step's weights changed
+        self.weights_changed = False        # an optimiser step of the current step has run
+        self.writing = False                # a checkpoint is being written: the watchdog lets it finish
+        self.done = threading.Event()       # the orderly exit is complete
+        self._interruptible, self._seq = False, 0
+        self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
+        # torchrun's store outlives a restarted group: each attempt keeps its own keys
+        self._prefix = f"mutis/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)  # written by the C-level handler: at once, even inside a blocking collective
+        threading.Thread(target=self._watchdog, args=(read,), daemon=True).start()
+
+    # ---- the signal
+
+    def _on_signal(self, signum, frame):
+        self.signalled.set()
+        self.t_signal = getattr(self, "t_signal", time.monotonic())
+        if self._interruptible:
+            self._interruptible = False
+            raise _Interrupted
+
+    def _watchdog(self, fd):
+        while os.read(fd, 1) != bytes([signal.SIGTERM]):
+            pass
+        t0 = time.monotonic()
+        while not self.done.wait(0.2):
+            if time.monotonic() - t0 > self.grace and not self.writing:
+                sys.stderr.write(f"error: SIGTERM: no checkpoint within --shutdown-grace {self.grace:g}s (step "
+                                 f"{self.step}, {self.where}: waiting for another rank); exiting\n")
+                sys.stderr.flush()
+                os._exit(PREEMPTED)
+
+    # ---- boundaries
+
+    def start_step(self, step):
+        self.step, self.weights_changed = step, False
+
+    def run(self, name, fn, interruptible=False, commits=False, decides=True):
+        """fn() as one phase of the step, ended by a boundary every rank passes together (see the module docstring)
+        -> fn's result, or None when a SIGTERM cut an interruptible phase short after the weights changed (before,
+        the boundary raises StepAbandoned). commits: the step cannot be abandoned once fn is done (the update: its
+        optimiser and LR steps). decides=False: the boundary waits for every rank, nothing more (the checkpoint).
+        A collective failing inside (a timeout, a dead peer) is one line naming the step and the phase, exit 1."""
+        self.where, result = name, None
+        try:
+            if not (interruptible and self.signalled.is_set()):
+                self._interruptible = interruptible
+                result = fn()
+        except _Interrupted:
+            result = None
+        except dist.DistError as e:
+            self._die(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        finally:
+            self._interruptible = False
+        self.weights_changed = self.weights_changed or commits
+        if decides:
+            self.boundary(name)
+        else:
+            self._arrive()
+        return result
+
+    def check(self):
+        """Between micro-batches of the no-grad passes and the update (a collective: every rank calls it as often):
+        abandon the step while its weights are unchanged."""
+        if not self.weights_changed and self._agree():
+            raise StepAbandoned
+
+    def boundary(self, name):
+        """Wait for every rank to finish `name`; a rank missing after --dist-timeout is named in one line (exit 1).
+        Then agree on the SIGTERM flags: stop now (StepAbandoned) or, the weights changed, after the step."""
+        self.where = name
+        if self._arrive() and not self.stopping:
+            if not self.weights_changed:
+                raise StepAbandoned
+            self.stopping = True
+
+    def _agree(self):
+        if self.world == 1:
+            return self.signalled.is_set()
+        return self._arrive()
+
+    def _arrive(self):
+        """Post this rank's arrival (with its SIGTERM flag) in the store, wait for every rank's -> any flag set."""
+        if self.world == 1:
+            return self.signalled.is_set()
+        self._seq += 1
+        key = lambda r, seq=self._seq: f"{self._prefix}/{seq}/{r}"  # noqa: E731
+        self._store.set(key(self.rank), "1" if self.signalled.is_set() else "0")
+        deadline = time.monotonic() + self.timeout
+        import datetime
+
+        while True:  # short waits: the main thread gets back to Python for the signal handler between them
+            try:
+                self._store.wait([key(r) for r in range(self.world)], datetime.timedelta(seconds=1))
+                break
+            except (dist.DistError, RuntimeError):
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world) if not self._store.check([key(r)])]
+                    self._die(f"rank(s) {', '.join(map(str, missing))} did not arrive within --dist-timeout "
+                              f"({self.timeout:g}s)")
+        flags = self._store.multi_get([key(r) for r in range(self.world)])
+        if self._seq > 1:  # every rank has passed the previous boundary: its key is no longer waited for
+            self._store.delete_key(f"{self._prefix}/{self._seq - 1}/{self.rank}")
+        return any(f == b"1" for f in flags)
+
+    def _die(self, what):
+        sys.stderr.write(f"error: step {self.step}, {self.where}: {what}\n")
+        sys.stderr.flush()
+        self.done.set()
+        os._exit(1)  # not SystemExit: the process group's teardown would wait on the missing rank
+
+    # ---- checkpoints and the exit
+
+    @contextmanager
+    def writing_checkpoint(self):
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+
+    def close(self):
+        """Give the process its default SIGTERM handling back (train.main may run inside another program)."""
+        self.done.set()
+        signal.signal(signal.SIGTERM, self._previous)
+        signal.set_wakeup_fd(-1)
+
+    def exit_preempted(self, saved_step, master):
+        if master:
+            took = time.monotonic() - getattr(self, "t_signal", time.monotonic())
+            saved = f"checkpointed step {saved_step}" if saved_step else "nothing to checkpoint before step 1"
+            print(f"[signal] SIGTERM at step {self.step} ({self.where}): {saved} {took:.1f}s after the signal; "
+                  f"exiting {PREEMPTED} to be requeued", flush=True)
+        self.done.set()
+        sys.stdout.flush()
+        os._exit(PREEMPTED)  # no teardown: vLLM's and the process group's can block a preempted exit
