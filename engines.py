@@ -148,15 +148,21 @@ class VLLMEngine:
         self.calls = 0  # request ids: f'{call}-{i}'
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
-                 eos_ids=None, timeout=None):
+                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None):
         """prompt_token_ids: list of M id lists; max_tokens, seed: one value or one per prompt.
         Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
-        i.e. what a trainer computes with the same temperature. Wakes the KV cache of a sleeping engine: it is
-        mapped only while generating (the caller sleeps it again: train.py after rollouts and validation)."""
+        i.e. what a trainer computes with the same temperature (logprobs=False: not computed, None).
+        on_finish(i, completion): called as request i finishes (progress, eval.py's journal).
+        max_in_flight: at most this many requests in the engine, the next added as one finishes (None: all at
+        once; vLLM's scheduler then runs up to its max_num_seqs and queues the rest). Wakes the KV cache of a
+        sleeping engine: it is mapped only while generating (the caller sleeps it again: train.py after
+        rollouts and validation)."""
         self.wake_up()
-        return self._generate(prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout)
+        return self._generate(prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout,
+                              logprobs, on_finish, max_in_flight)
 
-    def _generate(self, prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout):
+    def _generate(self, prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout,
+                  logprobs=True, on_finish=None, max_in_flight=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -166,31 +172,41 @@ class VLLMEngine:
         params = [SamplingParams(n=1, max_tokens=max_tokens[i], temperature=temperature, top_p=top_p, seed=seed[i],
                                  stop=list(stop) or None, include_stop_str_in_output=True,
                                  ignore_eos=True, stop_token_ids=eos_ids,  # exactly eos_ids stop a turn
-                                 logprobs=0, detokenize=bool(stop))  # text only for stop-string matching
+                                 logprobs=0 if logprobs else None,
+                                 detokenize=bool(stop))  # text only for stop-string matching
                   for i in range(m)]
         deadline = _deadline(timeout)
         engine = self.llm.llm_engine
         # add_request + our own step loop (what LLM.generate does) so the deadline is checked every step.
         self.calls += 1
         req_ids = [f"{self.calls}-{i}" for i in range(m)]
-        for rid, ids, param in zip(req_ids, prompt_token_ids, params):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), param)
+        added = 0
+
+        def add(count):  # the next `count` requests, in order
+            nonlocal added
+            for i in range(added, min(added + count, m)):
+                engine.add_request(req_ids[i], TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])), params[i])
+            added = min(added + count, m)
+
+        def completion(o):
+            lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] if logprobs else None
+            return Completion(list(o.token_ids), lps, o.finish_reason == "stop")
+
+        add(max_in_flight or m)
         done = {}
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.request_id] = completion(out.outputs[0])
+                        if on_finish is not None:
+                            on_finish(int(out.request_id.rsplit("-", 1)[1]), done[out.request_id])
+                        add(1 if max_in_flight else 0)
                 _check_deadline(deadline, timeout, len(done), m)
         except BaseException:
-            engine.abort_request([r for r in req_ids if r not in done])
+            engine.abort_request([r for r in req_ids[:added] if r not in done])
             raise
-        results = []
-        for rid in req_ids:
-            o = done[rid].outputs[0]
-            results.append(Completion(list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
-                                      o.finish_reason == "stop"))
-        return results
+        return [done[rid] for rid in req_ids]
 
     def sleep(self, keep_weights=False):
         """Free accelerator memory for training. keep_weights=False (after a rollout): drop weights and KV cache
@@ -297,10 +313,20 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
-                 eos_ids=None, timeout=None):
+                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None):
+        """VLLMEngine.generate's interface. max_in_flight: rows per padded batch (None: the whole call, whose KV
+        cache is rows x longest); log-probs are always computed (they come with the sampling here)."""
         from transformers import DynamicCache
 
         m = len(prompt_token_ids)
+        if max_in_flight and m > max_in_flight:  # one padded batch after the other
+            limits, seeds, deadline, out = _per_prompt(max_tokens, m), _per_prompt(seed, m), _deadline(timeout), []
+            for s in range(0, m, max_in_flight):
+                part = slice(s, s + max_in_flight)
+                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+                out += self.generate(prompt_token_ids[part], limits[part], temperature, top_p, seeds[part], stop,
+                                     eos_ids, left, on_finish=on_finish and (lambda i, c, s=s: on_finish(s + i, c)))
+            return out
         eos = {self.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
         rows = [list(p) for p in prompt_token_ids]
         limits = _per_prompt(max_tokens, m)
@@ -344,6 +370,8 @@ class HFEngine:
                     stopped[i], active[i] = True, False
                 elif len(out_ids[i]) >= limits[i]:
                     active[i] = False
+                if not active[i] and on_finish is not None:
+                    on_finish(i, Completion(out_ids[i], out_lp[i], stopped[i]))
             if not any(active):
                 break
             mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
