@@ -13,12 +13,14 @@ global; the RNG states are per rank, and rank r takes rank r's, or rank (r mod o
 had fewer ranks. No step depends on them (sampling seeds come from (seed, step, prompt, sample, turn), the update's
 shuffling from its own generator), so resuming on another world size changes only how rows are cut into
 micro-batches: the same run within float tolerance.
-What is still unpickled: torch.distributed.checkpoint reads its own `sharded/.metadata` with pickle (its
-FileSystemReader); load only checkpoints you or your cluster wrote. Everything else is JSON or safetensors.
+No pickle runs code: torch.distributed.checkpoint reads its own `sharded/.metadata` with pickle (its
+FileSystemReader), so load_checkpoint first unpickles that file with an allow-list of the classes it holds
+(metadata_is_safe) and refuses anything else. Everything else is JSON or safetensors.
 """
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -158,6 +160,30 @@ def find_resumable(out, log=print):
         f"start again without --resume, or with another --out")
 
 
+class _AllowList(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint's metadata and nothing else: its dataclasses, torch.Size, dtypes and
+    layouts, paths."""
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def metadata_is_safe(path):
+    """None when torch.distributed.checkpoint's pickled metadata file holds only what it writes, else why not."""
+    try:
+        with open(path, "rb") as f:
+            _AllowList(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def load_checkpoint(path, models):
     """Restore what save_checkpoint wrote into the models and optimisers and this rank's RNGs, on any number of
     ranks (the module docstring) -> trainer_state."""
@@ -165,6 +191,8 @@ def load_checkpoint(path, models):
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    if why := metadata_is_safe(path / "sharded" / ".metadata"):  # before torch's own pickle.load of it
+        die(f"--resume: {path}/sharded/.metadata is not a checkpoint's metadata ({why}); not loading it")
     sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
     dcp.load(sharded, checkpoint_id=str(path / "sharded"))
     for name, (m, o) in models.items():

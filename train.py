@@ -205,7 +205,8 @@ def main(argv=None):
             advantages, returns = compute_advantages(args, scores, kl, run.kl_ctl.value, old_values, action_mask,
                                                      group_ids, run.device)                      # [B, R] each
             batch.update(ref_logprobs=ref_logprobs, advantages=advantages, action_mask=action_mask,
-                         old_logprobs=old_logprobs, old_values=old_values, returns=returns)
+                         old_logprobs=old_logprobs, old_values=old_values, returns=returns, prompt_index=group_ids,
+                         sample_index=torch.tensor([t["sample_index"] for t in trajs]))
             batch = {k: v for k, v in batch.items() if v is not None}
 
             # ---- 5. PPO epochs over mini-batches, gradient accumulation over micro-batches
@@ -360,16 +361,11 @@ def ppo_epochs(run, args, batch, step, desc=None, guard=None):
     mini-batch, skipped steps, the micro-batches as the update cut them: for the padding metric). guard:
     faults.Guard, asked between micro-batches until the first optimiser step."""
     stats, skipped, groups = [], 0, []
-    rows = len(batch["response_ids"])
-    local_mini = run.mini_size // run.world
-    gen = torch.Generator().manual_seed(args.seed + step)
-    progress = tqdm(total=args.ppo_epochs * math.ceil(rows / local_mini), desc=desc, disable=desc is None,
-                    leave=False, unit="mini")
-    for _ in range(args.ppo_epochs):
-        perm = torch.randperm(rows, generator=gen)
-        for start in range(0, rows, local_mini):
-            micro = micro_batches(batch, perm[start:start + local_mini], args.micro_batch_size,
-                                  args.micro_batch_tokens, run.device)
+    n_minis = args.batch_size * args.samples_per_prompt // run.mini_size
+    progress = tqdm(total=args.ppo_epochs * n_minis, desc=desc, disable=desc is None, leave=False, unit="mini")
+    for epoch in range(args.ppo_epochs):
+        for rows in mini_batches(batch, n_minis, run.mini_size // run.world, (args.seed, step, epoch)):
+            micro = micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens, run.device)
             groups += micro
             s, n_skipped = ppo_update(run.actor, run.critic, run.actor_opt, run.critic_opt, batch, micro, args,
                                       run.autocast, run.device, guard)
@@ -380,6 +376,23 @@ def ppo_epochs(run, args, batch, step, desc=None, guard=None):
     for sched in run.schedulers:
         sched.step()
     return stats, skipped, groups
+
+
+def mini_batches(batch, n_minis, local_mini, seed):
+    """This rank's rows of each of the n_minis mini-batches of one PPO epoch -> list of row-index tensors. Every
+    prompt's samples are dealt evenly over the mini-batches by a permutation seeded by (seed, step, epoch, prompt),
+    so which trajectories share a mini-batch does not depend on how many ranks hold them (a run resumed on another
+    world size takes the same optimiser steps) and every rank holds local_mini rows of each (FSDP). Samples that do
+    not divide evenly: this rank's rows shuffled and cut, which depends on the world size."""
+    prompts, samples = batch["prompt_index"], batch["sample_index"]                        # [B] each
+    n = int(samples.max()) + 1
+    if n % n_minis:
+        return list(torch.from_numpy(np.random.default_rng(list(seed)).permutation(len(prompts))).split(local_mini))
+    mini = torch.empty_like(samples)                                                       # [B]
+    for p in prompts.unique().tolist():
+        deal = torch.from_numpy(np.random.default_rng([*seed, p]).permutation(n)) // (n // n_minis)  # [n]
+        mini[prompts == p] = deal[samples[prompts == p]]
+    return [torch.nonzero(mini == k).squeeze(1) for k in range(n_minis)]
 
 
 def ppo_update(actor, critic, actor_opt, critic_opt, batch, micro, args, autocast, device, guard=None):

@@ -37,8 +37,10 @@ def weights(out, step):
     return load_file(out / f"step_{step:06d}" / "actor" / "model.safetensors")
 
 
-def same_run(out, ref, step=3, atol=0.0):
+def same_run(out, ref, step=3, atol=0.0, skip=()):
     got, want = metrics(out), metrics(ref)
+    got = [{k: v for k, v in r.items() if k not in skip} for r in got]
+    want = [{k: v for k, v in r.items() if k not in skip} for r in want]
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), (g["step"], g.keys() ^ w.keys())
@@ -46,8 +48,8 @@ def same_run(out, ref, step=3, atol=0.0):
             same = g[k] == w[k] if atol == 0 or not isinstance(w[k], float) else g[k] == pytest.approx(w[k], abs=atol)
             assert same, (g["step"], k, g[k], w[k])
     a, b = weights(out, step), weights(ref, step)
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=atol)
+    for name in b:  # the export is bf16: float tolerance is a rounding flip of one unit in the last place
+        torch.testing.assert_close(a[name], b[name], atol=1e-6 if atol else 0, rtol=2**-7 if atol else 0)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,108 @@ def test_rng_states_round_trip_as_json_without_pickle():
     random.random(), np.random.rand(), torch.rand(3)  # move every generator on
     checkpoint.set_rng_states(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+# ----------------------------------------------------------------------------- ranks that die, hang, or change count
+
+def torchrun(script, *argv, nproc=2, restarts=0, timeout=600):
+    """`torchrun --standalone --nproc_per_node N --max-restarts R SCRIPT ARGV` on the CPU -> (process, seconds)."""
+    import subprocess
+    import sys
+
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           f"--max-restarts={restarts}", str(script), *map(str, argv)], cwd=ROOT, env=CPU_ENV,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    """An uninterrupted 3-step run on 2 ranks, a checkpoint after every step -> (OUT, seconds)."""
+    out = tmp_path_factory.mktemp("faults2") / "full"
+    proc, took = torchrun(ROOT / "train.py", *args(tiny_model_dir, out, "--save-freq", "1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, took
+
+
+@pytest.mark.dist
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(two_ranks, tiny_model_dir, tmp_path):
+    """Rank 1 is SIGKILLed in step 2's rollout; torchrun --max-restarts 1 restarts both ranks, which resume from
+    step 1's checkpoint and end where the uninterrupted run ends."""
+    out = tmp_path / "run"
+    proc, took = torchrun(WORKER, "kill-rollout:2:1", *args(tiny_model_dir, out, "--save-freq", "1", "--resume",
+                                                           "--shutdown-grace", "5"), restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[resume] no checkpoint" in proc.stdout and "step_000001 at step 1" in proc.stdout  # attempt 1, then 2
+    same_run(out, two_ranks[0], atol=1e-6)
+    print(f"killed rank: {took:.0f}s with the restart, {two_ranks[1]:.0f}s uninterrupted")
+
+
+@pytest.mark.dist
+def test_a_stalled_rank_is_named_and_the_group_exits(tiny_model_dir, tmp_path):
+    proc, took = torchrun(WORKER, "stall-rollout:1:1", *args(tiny_model_dir, tmp_path / "run", "--dist-timeout", "10",
+                                                            "--shutdown-grace", "5"))
+    assert proc.returncode != 0
+    assert "error: step 1, rollout: rank(s) 1 did not arrive within --dist-timeout (10s)" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert took < 120, took  # not the 600 s stall
+
+
+@pytest.mark.dist
+def test_resume_on_another_world_size(two_ranks, tiny_model_dir, tmp_path):
+    """2 ranks -> 1 -> 2: the checkpoint of step 2 (2 ranks) resumed on 1 rank for step 3, that one on 2 ranks for
+    step 4, against the 2-rank run resumed from the same step 2 checkpoint."""
+    def copy(src, name, keep):
+        dst = tmp_path / name
+        shutil.copytree(src, dst, symlinks=True)
+        for ckpt in dst.glob("step_*"):
+            if int(ckpt.name[5:]) > keep:
+                shutil.rmtree(ckpt)
+        (dst / "latest").unlink()
+        (dst / "latest").symlink_to(f"step_{keep:06d}")
+        return dst
+
+    every = ("--resume", "--val-freq", "1")  # the 3-step run validates its last step: so does the 4-step one
+    ref = copy(two_ranks[0], "ref", 2)
+    proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, ref, *every, steps=4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = copy(two_ranks[0], "one", 2)
+    proc = run_script("train.py", *args(tiny_model_dir, one, *every, steps=3), env=CPU_ENV, timeout=600)
+    assert proc.returncode == 0 and "step_000002 at step 2" in proc.stdout, proc.stderr[-3000:]
+    proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, one, *every, steps=4))
+    assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-3000:]
+    # per-micro-batch diagnostics averaged over micro-batches (a variance ratio, a maximum) depend on how the rows
+    # are cut into micro-batches, which the world size changes, and a clipped-token count moves by a token when the
+    # summation order does; every other mean over tokens, and the weights, agree to float tolerance
+    same_run(one, ref, step=4, atol=1e-4, skip=("critic/explained_var", "actor/ratio_max", "critic/vf_clipfrac",
+                                                "actor/clipfrac", "actor/dual_clipfrac"))
+
+
+# ----------------------------------------------------------------------------- no code in what we load
+
+class Payload:
+    """A pickle that runs code when loaded: what a checkpoint from someone else could hold."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_in_the_checkpoint_metadata_is_refused_unrun(tmp_path, capsys):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    real = tmp_path / "real"
+    dcp.save({"w": torch.zeros(3), "step": 4}, checkpoint_id=str(real))  # what torch writes is let through
+    assert checkpoint.metadata_is_safe(real / ".metadata") is None
+    ckpt, marker = tmp_path / "step_000001", tmp_path / "ran"
+    (ckpt / "sharded").mkdir(parents=True)
+    (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(SystemExit):
+        checkpoint.load_checkpoint(ckpt, {})
+    err = capsys.readouterr().err
+    assert "posix.system is not part of a checkpoint's metadata" in err and err.count("\n") == 1, err
+    assert not marker.exists()

@@ -272,3 +272,29 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10 * 2**30, 0, 10 * 2**30))
     with pytest.raises(RuntimeError, match="unexpected pos"):
         checkpoint.save_checkpoint(tmp_path, 4, {"actor": (None, None)}, None, {})
+
+
+@pytest.mark.parametrize("samples, n_minis", [(4, 2), (6, 3), (4, 1)])
+def test_mini_batches_are_the_same_on_any_world_size(samples, n_minis):
+    """Each prompt's samples dealt evenly over the mini-batches: the global mini-batches do not depend on how the
+    prompts are sharded, every rank holds as many rows of each, and every row is in exactly one."""
+    prompts = 4
+    def rows_of(world, rank):  # rollout.shard_indices: strided prompts, prompt-major trajectories
+        mine = list(range(rank, prompts, world))
+        return torch.tensor([p for p in mine for _ in range(samples)]), torch.tensor(list(range(samples)) * len(mine))
+
+    def global_minis(world):
+        out = [[] for _ in range(n_minis)]
+        for rank in range(world):
+            p, s = rows_of(world, rank)
+            minis = train.mini_batches({"prompt_index": p, "sample_index": s}, n_minis,
+                                       prompts * samples // n_minis // world, (0, 7, 0))
+            assert [len(m) for m in minis] == [prompts * samples // n_minis // world] * n_minis
+            for k, m in enumerate(minis):
+                out[k] += [(int(p[i]), int(s[i])) for i in m]
+        return [sorted(m) for m in out]
+
+    one = global_minis(1)
+    assert sorted(x for m in one for x in m) == [(p, s) for p in range(prompts) for s in range(samples)]
+    assert global_minis(2) == global_minis(4) == one
+    assert all(len({s for p2, s in m if p2 == p}) == samples // n_minis for m in one for p in range(prompts))
