@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo compare test test-fast gpu-smoke venv model clean
+.PHONY: demo print-demo-args compare test test-fast gpu-smoke venv model clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,9 @@ DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test --system-p
 	--steps 12 --batch-size 4 --samples-per-prompt 6 --micro-batch-size 8 --mini-batch-size 24 \
 	--max-turns 2 --turn-tokens 64 --adv grpo --actor-lr 3e-5 --actor-warmup-ratio 0 --temperature 0.8 \
 	--val-before-train --val-freq 12 --enforce-eager --out runs/demo
+
+print-demo-args:
+	@echo $(DEMO_ARGS)
 
 demo: $(STAMP)
 	$(PY) model.py prepare

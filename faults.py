@@ -50,9 +50,9 @@ class Guard:
         # torchrun's store outlives a restarted group: each attempt keeps its own keys
         self._prefix = f"mutis/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        signal.set_wakeup_fd(write)  # written by the C-level handler: at once, even inside a blocking collective
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        signal.set_wakeup_fd(self._write)  # written by the C-level handler at once, even inside a blocking collective
         threading.Thread(target=self._watchdog, args=(read,), daemon=True).start()
 
     # ---- the signal
@@ -65,13 +65,15 @@ class Guard:
             raise _Interrupted
 
     def _watchdog(self, fd):
-        while os.read(fd, 1) != bytes([signal.SIGTERM]):
-            pass
+        while (byte := os.read(fd, 1)) != bytes([signal.SIGTERM]):
+            if not byte:  # close(): the run ended
+                return
         t0 = time.monotonic()
         while not self.done.wait(0.2):
             if time.monotonic() - t0 > self.grace and not self.writing:
                 sys.stderr.write(f"error: SIGTERM: no checkpoint within --shutdown-grace {self.grace:g}s (step "
-                                 f"{self.step}, {self.where}: waiting for another rank); exiting\n")
+                                 f"{self.step}, {self.where}: another rank did not get there, or the phase outlasted "
+                                 f"the grace); exiting\n")
                 sys.stderr.flush()
                 os._exit(PREEMPTED)
 
@@ -169,6 +171,7 @@ class Guard:
         self.done.set()
         signal.signal(signal.SIGTERM, self._previous)
         signal.set_wakeup_fd(-1)
+        os.close(self._write)  # the watchdog reads the end of the pipe and returns
 
     def exit_preempted(self, saved_step, master):
         if master:

@@ -50,13 +50,12 @@ def sample_batch(run, args, s, desc=None):
     return real_sample_batch(run, args, s, desc)
 
 
-real_generate = engines.HFEngine.generate
-
-
-def generate(self, *a, **k):
-    if here("term-rollout"):
-        fire(kind)
-    return real_generate(self, *a, **k)
+def inside_generate(real):
+    def generate(self, *a, **k):
+        if here("term-rollout"):
+            fire(kind)
+        return real(self, *a, **k)
+    return generate
 
 
 real_logprobs = train.token_logprobs
@@ -80,5 +79,6 @@ def validate(run, args):
 
 
 train.sample_batch, train.token_logprobs, train.validate = sample_batch, token_logprobs, validate
-engines.HFEngine.generate = generate
+engines.HFEngine.generate = inside_generate(engines.HFEngine.generate)
+engines.VLLMEngine.generate = inside_generate(engines.VLLMEngine.generate)
 train.main(sys.argv[2:])

@@ -236,3 +236,12 @@ def test_a_crafted_pickle_in_the_checkpoint_metadata_is_refused_unrun(tmp_path, 
     err = capsys.readouterr().err
     assert "posix.system is not part of a checkpoint's metadata" in err and err.count("\n") == 1, err
     assert not marker.exists()
+
+
+def test_save_minutes_checkpoints_by_time(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--save-minutes", "0.001", steps=2), env=CPU_ENV,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[ckpt] step 1 " in proc.stdout and sorted(p.name for p in out.glob("step_*")) == ["step_000001",
+                                                                                                "step_000002"]

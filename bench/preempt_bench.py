@@ -1,0 +1,46 @@
+"""Signal-to-exit time of train.py under SIGTERM at several points of a step, on the demo's configuration.
+
+    python bench/preempt_bench.py -- $(make -s print-demo-args)      # or any train.py flags after --
+
+Each point runs train.py (through tests/_fault_worker.py, which sends the SIGTERM from inside the phase) for two
+steps with the signal in step 2, and prints the seconds from the signal to the process's exit, the exit code and
+what the run said it kept. torchrun and SLURM allow 30 s before SIGKILL; --shutdown-grace (20 s) bounds ours.
+"""
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the demo: grpo (no separate old log-prob pass), 24 trajectories, 3 micro-batches of 8, one mini-batch
+POINTS = {"rollout": "term-rollout:2", "log-probs": "term-logprobs:2:*:2", "update, first micro-batch":
+          "term-update:2:*:1", "update, last micro-batch": "term-update:2:*:3", "validation": "term-validate:2"}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--points", default=",".join(POINTS), help="comma-separated: " + ", ".join(POINTS))
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="train.py flags after --")
+    args = p.parse_args()
+    flags = [a for a in args.train_args if a != "--"]
+    rows = []
+    for name in args.points.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            clock = Path(tmp) / "signal_time"
+            cmd = [sys.executable, str(ROOT / "tests" / "_fault_worker.py"), POINTS[name], *flags, "--steps", "2",
+                   "--val-freq", "2", "--no-val-before-train", "--out", f"{tmp}/out"]
+            proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, "FAULT_TIME_FILE": str(clock)},
+                                  capture_output=True, text=True)
+            end = time.time()
+            took = end - float(clock.read_text()) if clock.exists() else float("nan")
+            said = next((line for line in proc.stdout.splitlines() if line.startswith("[signal]")), "-")
+            rows.append((name, took, proc.returncode, said.split("): ", 1)[-1]))
+            print(f"{name:28} {took:6.1f} s  exit {proc.returncode}  {rows[-1][3]}", flush=True)
+            if proc.returncode != 143:
+                print(proc.stderr[-2000:], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
