@@ -15,8 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the demo: grpo (no separate old log-prob pass), 24 trajectories, 3 micro-batches of 8, one mini-batch
-POINTS = {"rollout": "term-rollout:2", "log-probs": "term-logprobs:2:*:2", "update, first micro-batch":
-          "term-update:2:*:1", "update, last micro-batch": "term-update:2:*:3", "validation": "term-validate:2"}
+POINTS = {"rollout": "term-rollout:2", "log-probs": "term-logprobs:2:*:2", "update-first-micro":
+          "term-update:2:*:1", "update-last-micro": "term-update:2:*:3", "validation": "term-validate:2"}
 
 
 def main():
