@@ -35,7 +35,8 @@ def main():
                                   capture_output=True, text=True)
             end = time.time()
             took = end - float(clock.read_text()) if clock.exists() else float("nan")
-            said = next((line for line in proc.stdout.splitlines() if line.startswith("[signal]")), "-")
+            said = next((line for line in proc.stdout.splitlines() if line.startswith("[signal]")),
+                        next((line for line in proc.stderr.splitlines() if line.startswith("error:")), "-"))
             rows.append((name, took, proc.returncode, said.split("): ", 1)[-1]))
             print(f"{name:28} {took:6.1f} s  exit {proc.returncode}  {rows[-1][3]}", flush=True)
             if proc.returncode != 143:
