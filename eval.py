@@ -440,7 +440,7 @@ def main(argv=None):
 
         init_distributed()
     say(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why}); {len(records)} problems x "
-        f"{args.samples_per_prompt} samples, {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
+        f"{args.samples_per_prompt} sample(s), {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
     import rollout
 
     mine = rollout.shard_indices(len(records), rank, world)
