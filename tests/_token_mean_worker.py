@@ -6,6 +6,7 @@ on a fixed global mini-batch whose rows carry very different numbers of tokens. 
 
 Writes the updated full parameters, the statistics and every rank's number of forward calls (rank 0) to OUT;
 token-mean must give the same step whatever the split."""
+import contextlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,7 +54,7 @@ def main():
                            rollout_is_cap=0.0)  # no rollout log-probs here
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
     micro = packing.micro_batches(mine, torch.arange(len(mine["action_mask"])), args.micro_batch_size, tokens, device)
-    stats, skipped = train.ppo_update(actor, None, opt, None, mine, micro, args, train.nullcontext, device)
+    stats, skipped = train.ppo_update(actor, None, opt, None, mine, micro, args, contextlib.nullcontext, device)
     params = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
     every = [None] * world
     dist.all_gather_object(every, len(calls))
