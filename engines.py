@@ -165,6 +165,7 @@ class VLLMEngine:
                   logprobs=True, on_finish=None, max_in_flight=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         m = len(prompt_token_ids)
         eos_ids = [self.tokenizer.eos_token_id] if eos_ids is None else list(eos_ids)
@@ -173,7 +174,10 @@ class VLLMEngine:
                                  stop=list(stop) or None, include_stop_str_in_output=True,
                                  ignore_eos=True, stop_token_ids=eos_ids,  # exactly eos_ids stop a turn
                                  logprobs=0 if logprobs else None,
-                                 detokenize=bool(stop))  # text only for stop-string matching
+                                 detokenize=bool(stop),  # text only for stop-string matching
+                                 # one output per request, when it finishes (as LLM.generate asks): the default
+                                 # rebuilds every running request's cumulative output at every step
+                                 output_kind=RequestOutputKind.FINAL_ONLY)
                   for i in range(m)]
         deadline = _deadline(timeout)
         engine = self.llm.llm_engine
