@@ -15,6 +15,7 @@ A watchdog thread sees the signal even while the main thread waits inside a coll
 when no checkpoint is being written --shutdown-grace seconds later, it exits with 143 instead of waiting for the
 SIGKILL.
 """
+import datetime
 import os
 import signal
 import sys
@@ -109,7 +110,7 @@ class Guard:
     def check(self):
         """Between micro-batches of the no-grad passes and the update (a collective: every rank calls it as often):
         abandon the step while its weights are unchanged."""
-        if not self.weights_changed and self._agree():
+        if not self.weights_changed and self._arrive():
             raise StepAbandoned
 
     def boundary(self, name):
@@ -121,11 +122,6 @@ class Guard:
                 raise StepAbandoned
             self.stopping = True
 
-    def _agree(self):
-        if self.world == 1:
-            return self.signalled.is_set()
-        return self._arrive()
-
     def _arrive(self):
         """Post this rank's arrival (with its SIGTERM flag) in the store, wait for every rank's -> any flag set."""
         if self.world == 1:
@@ -134,8 +130,6 @@ class Guard:
         key = lambda r, seq=self._seq: f"{self._prefix}/{seq}/{r}"  # noqa: E731
         self._store.set(key(self.rank), "1" if self.signalled.is_set() else "0")
         deadline = time.monotonic() + self.timeout
-        import datetime
-
         while True:  # short waits: the main thread gets back to Python for the signal handler between them
             try:
                 self._store.wait([key(r) for r in range(self.world)], datetime.timedelta(seconds=1))

@@ -7,6 +7,7 @@ steps with the signal in step 2, and prints the seconds from the signal to the p
 what the run said it kept. torchrun and SLURM allow 30 s before SIGKILL; --shutdown-grace (20 s) bounds ours.
 """
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ def main():
             clock = Path(tmp) / "signal_time"
             cmd = [sys.executable, str(ROOT / "tests" / "_fault_worker.py"), POINTS[name], *flags, "--steps", "2",
                    "--val-freq", "2", "--no-val-before-train", "--out", f"{tmp}/out"]
-            proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, "FAULT_TIME_FILE": str(clock)},
+            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "FAULT_TIME_FILE": str(clock)},
                                   capture_output=True, text=True)
             end = time.time()
             took = end - float(clock.read_text()) if clock.exists() else float("nan")
