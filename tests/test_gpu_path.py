@@ -326,7 +326,7 @@ def compiled_layer_coverage(path):
 
 
 @pytest.mark.slow  # Dynamo traces three models in two modes (a recording backend: no compiler needed)
-def test_compile_runs_every_layer_of_every_model_compiled(tmp_path, monkeypatch):
+def test_compile_runs_every_layer_of_every_model_compiled(tmp_path):
     """All decoder layers share one code object and its compiled graphs: nothing guards on the layer object, so more
     layers than Dynamo's recompile limit (8) still run compiled, in each of actor, reference and critic, with and
     without grad. The recording is checked by lowering the limit to one graph: later passes then run eager."""
@@ -339,7 +339,8 @@ def test_compile_runs_every_layer_of_every_model_compiled(tmp_path, monkeypatch)
     passes = ("actor update", "critic update", "ref no-grad", "actor no-grad", "critic no-grad")
     assert seen == {name: set(range(layers)) for name in passes}, seen
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    starved = compiled_layer_coverage(path)
+    # config.patch, not monkeypatch: monkeypatch's undo deletes the attribute, which hides Dynamo's option for good
+    with torch._dynamo.config.patch(recompile_limit=1):
+        starved = compiled_layer_coverage(path)
     assert starved != seen  # the recording sees layers fall back to eager
     torch._dynamo.reset()
