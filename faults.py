@@ -47,9 +47,9 @@ class Guard:
         self.writing = False                # a checkpoint is being written: the watchdog lets it finish
         self.done = threading.Event()       # the orderly exit is complete
         self._interruptible, self._seq = False, 0
+        # the group's store: its own for each torchrun restart (parallel.attempt_store), no stale arrivals
         self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
-        # torchrun's store outlives a restarted group: each attempt keeps its own keys
-        self._prefix = f"mutis/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        self._prefix = "mutis/arrive"
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)

@@ -169,6 +169,36 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(two_ranks, ti
     print(f"killed rank: {took:.0f}s with the restart, {two_ranks[1]:.0f}s uninterrupted")
 
 
+ATTEMPT = """
+import sys, parallel, torch.distributed as dist
+parallel.init_distributed(timeout=10)
+store = dist.distributed_c10d._get_default_store()
+print("saw", store.check(["peer"]))  # the previous attempt's key, if this attempt could read it
+store.set("peer", sys.argv[1])
+parallel.close_distributed()
+"""
+
+
+def test_each_torchrun_restart_gets_its_own_keys_in_the_agents_store(tmp_path):
+    """torchrun's agent serves one TCPStore to every restart of the group; gloo's and NCCL's bootstrap keys of a
+    dead attempt (its peers' addresses) must not be read by the next one (parallel.attempt_store)."""
+    import subprocess
+    import sys
+
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**CPU_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, "-c", ATTEMPT, f"attempt {attempt}"], cwd=ROOT, capture_output=True,
+                              text=True, env={**env, "TORCHELASTIC_RESTART_COUNT": str(attempt)}, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "saw False" in proc.stdout  # attempt 1 does not see attempt 0's key
+    keys = server.list_keys()  # the group's own (gloo's peer addresses) and the scripts' keys
+    assert all(k.startswith(("attempt_0/", "attempt_1/")) for k in keys), keys
+    peers = sorted(k for k in keys if k.endswith("/peer"))
+    assert [server.get(k).decode() for k in peers] == ["attempt 0", "attempt 1"], peers
+
+
 @pytest.mark.dist
 def test_a_stalled_rank_is_named_and_the_group_exits(tiny_model_dir, tmp_path):
     proc, took = torchrun(WORKER, "stall-rollout:1:1", *args(tiny_model_dir, tmp_path / "run", "--dist-timeout", "10",
