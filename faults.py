@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
 PREEMPTED = 143  # 128 + SIGTERM: schedulers and torchrun requeue / restart on a non-zero exit
 
 
@@ -49,7 +50,6 @@ class Guard:
         self._interruptible, self._seq = False, 0
         # the group's store: its own for each torchrun restart (parallel.attempt_store), no stale arrivals
         self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
-        self._prefix = "mutis/arrive"
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)
@@ -127,7 +127,7 @@ class Guard:
         if self.world == 1:
             return self.signalled.is_set()
         self._seq += 1
-        key = lambda r, seq=self._seq: f"{self._prefix}/{seq}/{r}"  # noqa: E731
+        key = lambda r, seq=self._seq: f"{ARRIVE}/{seq}/{r}"  # noqa: E731
         self._store.set(key(self.rank), "1" if self.signalled.is_set() else "0")
         deadline = time.monotonic() + self.timeout
         while True:  # short waits: the main thread gets back to Python for the signal handler between them
@@ -141,7 +141,7 @@ class Guard:
                               f"({self.timeout:g}s)")
         flags = self._store.multi_get([key(r) for r in range(self.world)])
         if self._seq > 1:  # every rank has passed the previous boundary: its key is no longer waited for
-            self._store.delete_key(f"{self._prefix}/{self._seq - 1}/{self.rank}")
+            self._store.delete_key(f"{ARRIVE}/{self._seq - 1}/{self.rank}")
         return any(f == b"1" for f in flags)
 
     def _die(self, what):

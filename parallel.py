@@ -41,14 +41,14 @@ def init_distributed(timeout=None):
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # gloo also serves offloaded params
         if "RANK" in os.environ:
-            dist.init_process_group(backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
+            dist.init_process_group(backend, store=attempt_store(world, timeout), rank=rank, world_size=world,
                                     device_id=device if device.type == "cuda" else None, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world, local, device
 
 
-def attempt_store(rank, world, timeout=None):
+def attempt_store(world, timeout=None):
     """The rendezvous store of this attempt of the group, or None (init_process_group's env:// store). torchrun's
     agent hosts one TCPStore for all restarts of a group (TORCHELASTIC_USE_AGENT_STORE) and hands it to the workers
     without a per-attempt prefix, so a restarted group's ranks could read the dead attempt's keys (gloo's peer
