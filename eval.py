@@ -44,7 +44,6 @@ from pathlib import Path
 from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 from data import DataError, read_rows
 from eval_report import pass_at_k, summarize, write_outputs  # noqa: F401 (pass_at_k: tests, bench)
-from repetition import is_repeated
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
@@ -107,7 +106,8 @@ def generate(engine, tokenizer, records, args, desc=None, prompts=None, journal=
             "_full_text": t["policy_text"],
             "_truncated": bool(t["hit_cap"]),  # the token cap cut it before any answer (not: ended without one)
             "_action_mask": list(t["action_mask"]),
-            "_turns": int(t["turns"])})
+            "_turns": int(t["turns"]),
+            "_spans": t["turn_spans"], "_dropped": list(t["dropped_ids"]), "_stopped": bool(t["stopped"])})
     return samples
 
 
@@ -127,21 +127,34 @@ def cuts(args):
     return args.max_turns > 0 and args.cut_at_answer
 
 
-def cut(s, limit, tokenizer):
-    """The sample as a `limit`-token generation would have left it: (policy text, tokens, truncated, turns)."""
-    ids, mask = s["response_ids"], s["_action_mask"]
-    if len(ids) <= limit:  # ended before the limit: identical to the full generation
-        return s["_full_text"], len(ids), s["_truncated"], s["_turns"]
+def at_limit(s, limit, tokenizer, first):
+    """The sample as a `limit`-token generation would have left it: dict(text: the policy text scored, end: how many
+    of response_ids it keeps, decoded: tokens the engine decoded, truncated, turns, loop: repetition.repeated).
+    The engine's timeline is response_ids then the tail its last turn's cut dropped; `first`: turns are cut at
+    their first answer (cuts)."""
+    import rollout
+
+    ids, mask, spans = s["response_ids"], s["_action_mask"], s["_spans"]
+    timeline = ids + s["_dropped"]
+    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+    decoded = sum(min(n, max(0, limit - start)) for start, n in spans)  # each turn as far as the limit let it go
+    if len(timeline) <= limit:  # ended before the limit: identical to the full generation
+        return dict(text=s["_full_text"], end=len(ids), decoded=decoded, truncated=s["_truncated"], turns=s["_turns"],
+                    loop=rollout.loop_of(timeline, spans[-1][0], not s["_stopped"], decode))
+    if limit >= len(ids):  # the limit falls in the dropped tail: that run answered alike and decoded on to the limit
+        return dict(text=s["_full_text"], end=len(ids), decoded=decoded, truncated=False, turns=s["_turns"],
+                    loop=rollout.loop_of(timeline[:limit], spans[-1][0], True, decode))
     # rollout.py appends an intervention only if a policy token still fits after it: a cut inside
     # (or right after) an intervention means that run stopped before it
     end = limit
     while end > 0 and not mask[end - 1]:
         end -= 1
     turns = 1 + sum(1 for j in range(1, end) if not mask[j] and mask[j - 1])  # interventions opened so far
-    import rollout
-
-    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
-    return rollout.policy_text(ids[:end], mask[:end], decode), end, True, turns
+    text = rollout.policy_text(ids[:end], mask[:end], decode)
+    last = max(start for start, _ in spans if start <= max(end - 1, 0))
+    return dict(text=text, end=end, decoded=decoded, turns=turns,
+                truncated=rollout.find_answer(decode(ids[last:end]), first=first) is None,
+                loop=rollout.loop_of(ids[:end], last, True, decode))
 
 
 def score_generated(samples, args, tokenizer):
@@ -159,16 +172,20 @@ def score_generated(samples, args, tokenizer):
             job[i, lim] = len(texts)
             if full:
                 job[i, "full"] = len(texts)
-            texts.append(cut(s, lim, tokenizer)[0])
+            texts.append(at_limit(s, lim, tokenizer, cuts(args))["text"])
             owner.append(i)
     results = score_batch([samples[i]["data_source"] for i in owner], texts, [samples[i]["gold"] for i in owner],
                           first=cuts(args))
     for i, s in enumerate(samples):
-        text, ntok, trunc, turns = cut(s, args.max_response_tokens, tokenizer)
+        at = at_limit(s, args.max_response_tokens, tokenizer, cuts(args))
         r = results[job[i, args.max_response_tokens]]
-        shown = tokenizer.decode(s["response_ids"][:ntok], skip_special_tokens=True)  # with interventions
+        timeline = (s["response_ids"] + s["_dropped"])[:args.max_response_tokens]
+        shown = tokenizer.decode(timeline, skip_special_tokens=True)  # with interventions and what a cut dropped
+        kept = sum(s["_action_mask"][:at["end"]])
         s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
-                 num_tokens=ntok, truncated=trunc, repeated=is_repeated(s["response_ids"][:ntok], trunc), turns=turns,
+                 decoded_tokens=at["decoded"], kept_tokens=kept, intervention_tokens=at["end"] - kept,
+                 truncated=at["truncated"],
+                 repeated=at["loop"] is not None, repeated_after_answer=at["loop"] == "after answer", turns=at["turns"],
                  budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
         for key in [k for k in s if k.startswith("_") and k != "_index"]:  # _index: main's sort, then dropped
             del s[key]
@@ -214,7 +231,7 @@ def samples_from_rows(rows, path, tokenizer_spec):
             samples.append({
                 "checkpoint": str(row.get("checkpoint") or Path(path).stem), "benchmark": str(row.get("benchmark") or source),
                 "id": str(row.get("id", i)), "sample": j, "problem": row.get("problem", row.get("prompt")),
-                "response_text": text, "gold": gold, "num_tokens": int(counts[j]),
+                "response_text": text, "gold": gold, "decoded_tokens": int(counts[j]),
                 "truncated": row.get("truncated"), "turns": int(row.get("turns") or 1), "data_source": source})
     if not samples:
         die(f"--score {path}: no rows")
@@ -473,7 +490,7 @@ def main(argv=None):
                 gen_s = time.time() - t
                 if master:
                     samples[name] = [{"checkpoint": name, **s} for s in scored]
-                    tokens = sum(len(s["response_ids"]) for s in scored)
+                    tokens = sum(s["decoded_tokens"] for s in scored)
                     tm.update(generate_and_score_s=round(gen_s, 2), tokens=tokens,
                               problems_per_min=round(len(records) / (gen_s / 60), 2),
                               tokens_per_s=round(tokens / gen_s, 1))

@@ -28,16 +28,19 @@ def summarize(samples, budgets, multi_turn):
         for s in group:
             by_problem[s["id"]].append(s)
         per_problem = [[s["correct"] for s in v] for v in by_problem.values()]
-        tokens = [s["num_tokens"] for s in group]
+        tokens = [s["decoded_tokens"] for s in group]
         stats = {"n": len(by_problem), "samples": len(group),
                  "accuracy": statistics.fmean(sum(c) / len(c) for c in per_problem),
-                 "mean_tokens": statistics.fmean(tokens), "median_tokens": statistics.median(tokens),
+                 # what the engine decoded, every turn and what a cut dropped included: what a user pays
+                 "decoded_tokens": statistics.fmean(tokens), "median_decoded_tokens": statistics.median(tokens),
                  "truncated": None if any(s["truncated"] is None for s in group)
                  else statistics.fmean(bool(s["truncated"]) for s in group),
-                 # repetition.py; unknown (None) for --score files, which hold no token ids
-                 "repeated": None if any(s.get("repeated") is None for s in group)
-                 else statistics.fmean(s["repeated"] for s in group),
                  "has_answer": statistics.fmean(s["has_answer"] for s in group)}
+        for key in ("kept_tokens", "intervention_tokens"):  # the policy tokens a cut kept; the interventions' tokens
+            if all(s.get(key) is not None for s in group):
+                stats[key] = statistics.fmean(s[key] for s in group)
+        for key in ("repeated", "repeated_after_answer"):  # repetition.py; unknown (None) for --score files (no ids)
+            stats[key] = None if any(s.get(key) is None for s in group) else statistics.fmean(s[key] for s in group)
         n = max(len(c) for c in per_problem)
         if n > 1:  # accuracy is then mean@n, the unbiased pass@1
             stats[f"mean@{n}"] = stats["accuracy"]
@@ -62,7 +65,7 @@ def markdown(results, budgets):
         common = [b for b in benches if all(rows[b][c] for c in ckpts)]
         rows["mean"] = {c: {"n": sum(results[c][b]["n"] for b in common),
                             "accuracy": statistics.fmean(results[c][b]["accuracy"] for b in common),
-                            "mean_tokens": statistics.fmean(results[c][b]["mean_tokens"] for b in common)}
+                            "decoded_tokens": statistics.fmean(results[c][b]["decoded_tokens"] for b in common)}
                         for c in ckpts} if common else {}
     head = ["benchmark", "n"]
     for i, c in enumerate(ckpts):
@@ -76,17 +79,28 @@ def markdown(results, budgets):
             if not v:
                 line += ["–", "–"]
                 continue
-            acc, tok = f"{100 * v['accuracy']:.1f}", f"{v['mean_tokens']:.0f}"
+            acc, tok = f"{100 * v['accuracy']:.1f}", f"{v['decoded_tokens']:.0f}"
             if i and base:
                 acc += f" ({100 * (v['accuracy'] - base['accuracy']):+.1f})"
-                tok += f" ({v['mean_tokens'] - base['mean_tokens']:+.0f}, " \
-                       f"{100 * (v['mean_tokens'] / max(base['mean_tokens'], 1e-9) - 1):+.0f}%)"
+                tok += f" ({v['decoded_tokens'] - base['decoded_tokens']:+.0f}, " \
+                       f"{100 * (v['decoded_tokens'] / max(base['decoded_tokens'], 1e-9) - 1):+.0f}%)"
             line += [acc, tok]
         lines.append("| " + " | ".join(line) + " |")
+    lines += ["", "tokens: mean tokens the engine decoded per response (every turn, what a cut dropped included)."]
     pct = lambda v: "–" if v is None else f"{100 * v:.1f}"  # noqa: E731
-    lines += ["", "Responses cut by the cap before any answer (truncated) and those of them in a loop (repeated), %", "",
-              "| checkpoint | benchmark | truncated | repeated |", "|---|---|---|---|"]
-    lines += [f"| {c} | {b} | {pct(v['truncated'])} | {pct(v['repeated'])} |" for c in ckpts for b, v in results[c].items()]
+    lines += ["", "Responses (%) that a token limit cut before any answer (truncated), and that ran into the limit in a "
+              "loop (repeated: before or after an answer; after answer: the answer was there, the loop paid for)", "",
+              "| checkpoint | benchmark | truncated | repeated | after answer |", "|---|---|---|---|---|"]
+    lines += [f"| {c} | {b} | {pct(v['truncated'])} | {pct(v['repeated'])} | {pct(v['repeated_after_answer'])} |"
+              for c in ckpts for b, v in results[c].items()]
+    cut = [(c, b, v) for c in ckpts for b, v in results[c].items()
+           if v.get("intervention_tokens") or abs(v.get("kept_tokens", v["decoded_tokens"]) - v["decoded_tokens"]) > 1e-9]
+    if cut:  # only where turns were cut at their answer or interventions added tokens
+        lines += ["", "Tokens per response: decoded by the engine; kept (the policy tokens up to each turn's cut); "
+                  "interventions (appended by the environment, not decoded)", "",
+                  "| checkpoint | benchmark | decoded | kept | interventions |", "|---|---|---|---|---|"]
+        lines += [f"| {c} | {b} | {v['decoded_tokens']:.1f} | {v['kept_tokens']:.1f} | {v['intervention_tokens']:.1f} |"
+                  for c, b, v in cut]
     if budgets:
         lines += ["", "Accuracy (%) at token budget", "",
                   "| checkpoint | benchmark | " + " | ".join(str(b) for b in budgets) + " |",

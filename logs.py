@@ -12,6 +12,7 @@ import torch
 from packing import padding_counts
 from parallel import all_reduce_dict
 from perf import forward_flops
+from rollout import trajectory_sums
 from system import peak_rss_gb
 
 
@@ -20,6 +21,16 @@ def timed(timer, name):
     t0 = time.time()
     yield
     timer[name] = time.time() - t0
+
+
+def format_tokens(m, prefix=""):
+    """'tokens D' for a metrics dict's decoded tokens, with the kept count and the interventions' only where they
+    differ from it / are there."""
+    d, k, i = (m[f"{prefix}{key}"] for key in ("decoded_tokens", "kept_tokens", "intervention_tokens"))
+    extra = ([f"kept {k:.1f}"] if abs(k - d) >= 0.05 else []) + ([f"interventions {i:.1f}"] if i >= 0.05 else [])
+    rep = m.get(f"{prefix}repeated") or 0.0
+    return (f"tokens {d:.1f}" + (f" ({', '.join(extra)})" if extra else "")
+            + (f"  repeated {rep:.0%} (after an answer {m[f'{prefix}repeated_after_answer']:.0%})" if rep else ""))
 
 
 def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats, skipped, update_groups, timer):
@@ -34,21 +45,23 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
         "pad_lp": pad_lp["padding"], "computed_lp": pad_lp["computed"],
         "pad_up": pad_up["padding"], "computed_up": pad_up["computed"],
         "score": sum(r["score"] for r in results), "acc": sum(r["acc"] for r in results), "count": len(trajs),
-        "tokens": float(batch["response_mask"].sum()), "turns": sum(x["turns"] for x in trajs),
-        "interventions": sum(x["interventions"] for x in trajs), "truncated": sum(x["truncated"] for x in trajs),
-        "answered": sum(x["answered"] for x in trajs), "cut_turns": sum(x["cut_turns"] for x in trajs),
+        **trajectory_sums(trajs), "interventions": sum(x["interventions"] for x in trajs),
+        "truncated": sum(x["truncated"] for x in trajs), "cut_turns": sum(x["cut_turns"] for x in trajs),
         "kl": float(kl[act].sum()), "actions": float(act.sum()), "logprob_gap": gap}, run.device)
     n, actions = t["count"], max(t["actions"], 1.0)
     metrics = {"step": step, "reward/mean": t["score"] / n, "acc/mean": t["acc"] / n,
-               "response_length/mean": t["tokens"] / n, "turns/mean": t["turns"] / n,
+               "decoded_tokens/mean": t["decoded_tokens"] / n, "kept_tokens/mean": t["kept_tokens"] / n,
+               "intervention_tokens/mean": t["intervention_tokens"] / n, "turns/mean": t["turns"] / n,
                "interventions/mean": t["interventions"] / n, "truncated/share": t["truncated"] / n,
-               "answered/share": t["answered"] / n, "turns/cut_at_answer_share": t["cut_turns"] / max(t["turns"], 1),
+               "answered/share": t["answered"] / n, "repeated/share": t["repeated"] / n,
+               "repeated/after_answer_share": t["repeated_after_answer"] / n,
+               "turns/cut_at_answer_share": t["cut_turns"] / max(t["turns"], 1),
                "kl/mean": t["kl"] / actions, "kl/coef": run.kl_ctl.value,  # this step's coefficient
                "rollout/logprob_gap": t["logprob_gap"] / actions,
                "padding/logprobs": t["pad_lp"] / max(t["computed_lp"], 1),
                "padding/update": t["pad_up"] / max(t["computed_up"], 1),
                "actor/lr": run.schedulers[0].get_last_lr()[0], "update/skipped": skipped,
-               "throughput/tokens_per_s": t["tokens"] / timer["step"], "system/peak_rss_gb": peak_rss_gb()}
+               "throughput/tokens_per_s": t["decoded_tokens"] / timer["step"], "system/peak_rss_gb": peak_rss_gb()}
     if run.critic is not None:
         metrics["critic/lr"] = run.schedulers[1].get_last_lr()[0]
     for phase in ("logprobs", "update"):  # model TFLOP/s per rank: every rank's FLOPs over its share of the time
@@ -99,26 +112,29 @@ def format_line(m, total_steps):
     t = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time/") and k not in ("time/step",
                                                                                                     "time/validate"))
     line = (f"step {m['step']}/{total_steps} | reward {m['reward/mean']:.3f} acc {m['acc/mean']:.3f} "
-            f"len {m['response_length/mean']:.0f} turns {m['turns/mean']:.2f} int {m['interventions/mean']:.2f} "
-            f"ans {m['answered/share']:.2f} "
+            f"tok {m['decoded_tokens/mean']:.0f} (kept {m['kept_tokens/mean']:.0f}) rep {m['repeated/share']:.2f} "
+            f"turns {m['turns/mean']:.2f} int {m['interventions/mean']:.2f} ans {m['answered/share']:.2f} "
             f"| kl {m['kl/mean']:.4f} pg {m.get('loss/pg', 0):.4f} vf {m.get('loss/vf', 0):.4f} "
             f"clip {m.get('actor/clipfrac', 0):.3f} ent {m.get('actor/entropy', 0):.3f} gn {m['actor/grad_norm']:.2f} "
             f"| {t} step {m['time/step']:.1f}s {m['throughput/tokens_per_s']:.0f} tok/s "
             + (f"mfu {m['perf/mfu/update']:.0%} " if "perf/mfu/update" in m else "") +
             f"pad {m['padding/logprobs']:.0%}/{m['padding/update']:.0%}")
     if "val/acc" in m:
-        line += f" | val acc {m['val/acc']:.3f} len {m['val/response_length']:.0f} ({m['time/validate']:.0f}s)"
+        line += f" | val acc {m['val/acc']:.3f} tok {m['val/decoded_tokens']:.0f} ({m['time/validate']:.0f}s)"
     return line
 
 
 def report(val_history, out):
-    """Before/after validation summary and OUT/curves.png."""
+    """Before/after validation summary and OUT/curves.png (rows logged before decoded tokens were counted: left out)."""
+    val_history = [(step, m) for step, m in val_history if "val/decoded_tokens" in m]
     if len(val_history) >= 2:
         (s0, a), (s1, b) = val_history[0], val_history[-1]
+        da, db = a["val/decoded_tokens"], b["val/decoded_tokens"]
         print(f"[val] step {s0} -> {s1}: acc {a['val/acc']:.3f} -> {b['val/acc']:.3f} "
-              f"({100 * (b['val/acc'] - a['val/acc']):+.1f} pts), tokens {a['val/response_length']:.1f} -> "
-              f"{b['val/response_length']:.1f} ({100 * (b['val/response_length'] / max(a['val/response_length'], 1e-9) - 1):+.0f}%), "
-              f"turns {a['val/turns']:.2f} -> {b['val/turns']:.2f}", flush=True)
+              f"({100 * (b['val/acc'] - a['val/acc']):+.1f} pts), decoded tokens {da:.1f} -> {db:.1f} "
+              f"({100 * (db / max(da, 1e-9) - 1):+.0f}%), turns {a['val/turns']:.2f} -> {b['val/turns']:.2f}, "
+              f"repeated {a['val/repeated']:.0%} -> {b['val/repeated']:.0%} "
+              f"(after an answer {a['val/repeated_after_answer']:.0%} -> {b['val/repeated_after_answer']:.0%})", flush=True)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,12 +142,12 @@ def report(val_history, out):
     except ImportError:
         return
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
-    rows = [r for r in logged if "reward/mean" in r]
-    val_rows = [r for r in logged if r.get("val/acc") is not None]
+    rows = [r for r in logged if "decoded_tokens/mean" in r]
+    val_rows = [r for r in logged if r.get("val/decoded_tokens") is not None]
     if not rows:
         return
     # training rollouts (sampled) and, where it ran, validation (greedy) on the same axes
-    keys = [("reward/mean", None), ("acc/mean", "val/acc"), ("response_length/mean", "val/response_length"),
+    keys = [("reward/mean", None), ("acc/mean", "val/acc"), ("decoded_tokens/mean", "val/decoded_tokens"),
             ("turns/mean", "val/turns")]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
     for ax, (key, val_key) in zip(axes, keys):

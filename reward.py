@@ -70,7 +70,9 @@ def _strip_math(s):
     return s.rstrip(".").strip()
 
 
-Answer = namedtuple("Answer", "text how end")  # the answer, its form (boxed|tag|line|number), where it ends
+# the answer, its form (boxed|tag|line|number), where the turn is cut (`end`: for an 'Answer:' line the end of its
+# paragraph, as the reference cuts) and where the answer itself ends (`close`: the end of that line)
+Answer = namedtuple("Answer", "text how end close")
 
 
 def _blank(text):
@@ -97,20 +99,21 @@ def _first_answer(text):
     j = text.find("</answer>")
     i = text.rfind("<answer>", 0, j) if j >= 0 else -1
     if i >= 0 and _strip_math(text[i + 8:j]).lower() not in _PLACEHOLDERS:
-        return Answer(_strip_math(text[i + 8:j]), "tag", j + len("</answer>"))
+        return Answer(_strip_math(text[i + 8:j]), "tag", j + len("</answer>"), j + len("</answer>"))
     for m in _COLON_RE.finditer(text):
         end = text.find("\n\n", m.end())
         end = len(text) if end < 0 else end
         lines = [s for s in text[m.end():end].split("\n") if s.strip()]
         content = _strip_math(lines[0]) if lines else ""
         if content.lower() not in _PLACEHOLDERS:
-            return Answer(content, "line", end)
+            close = text.find("\n", text.index(lines[0], m.end()))  # the end of the answer's own line
+            return Answer(content, "line", end, end if close < 0 or close > end else close)
     pairs = None
     for m in _BOX_RE.finditer(text):
         pairs = _brace_pairs(text) if pairs is None else pairs
         got = _box_content(text, m, pairs)
         if got and got[0].lower() not in _PLACEHOLDERS:
-            return Answer(got[0], "boxed", got[1])
+            return Answer(got[0], "boxed", got[1], got[1])
     return None
 
 
@@ -121,18 +124,18 @@ def _last_answer(text):
     for m in reversed(boxes):  # a truncated last box must not hide an earlier complete one
         got = _box_content(text, m, pairs)
         if got and got[0].lower() not in _PLACEHOLDERS:
-            return Answer(got[0], "boxed", len(text))
+            return Answer(got[0], "boxed", len(text), len(text))
     end = len(text)
     while (i := text.rfind("<answer>", 0, end)) >= 0:  # stop strings cut "</answer>": allow none
         j = text.find("</answer>", i, end)
         content = _strip_math(text[i + 8:j if j >= 0 else end])
         if content.lower() not in _PLACEHOLDERS:
-            return Answer(content, "tag", len(text))
+            return Answer(content, "tag", len(text), len(text))
         end = i
     for m in reversed(list(_LINE_RE.finditer(text))):
         content = _strip_math(m.group(1) or m.group(2))
         if content.lower() not in _PLACEHOLDERS:
-            return Answer(content, "line", len(text))
+            return Answer(content, "line", len(text), len(text))
     return None
 
 
@@ -149,7 +152,7 @@ def find_answer(text, first=False, last_number=False):
     text = _blank(text)
     found = _first_answer(text) if first else _last_answer(text)
     if found is None and last_number and (nums := _NUM_RE.findall(text)):
-        found = Answer(nums[-1].replace(",", "").rstrip("."), "number", len(text))
+        found = Answer(nums[-1].replace(",", "").rstrip("."), "number", len(text), len(text))
     return found
 
 
@@ -523,7 +526,7 @@ def _math_result(pred, acc):
     return {"score": float(acc), "acc": float(acc), "has_answer": float(pred is not None), "pred": pred}
 
 
-def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, first=False,
+def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_coef=0.0, stopped=None, first=False,
                 last_number=True, timeout=DEFAULT_TIMEOUT, workers=None):
     """Rewards of a batch of responses, results in input order: dicts with score, acc, has_answer, pred.
     Each data source's registered reward (register), else the paper's math reward: 1.0 if the extracted
@@ -535,8 +538,9 @@ def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_
 
     length_coef > 0 adds the usual length-penalty baseline, a constant cost per response token
     on every response, correct or not: score_i = acc_i - length_coef * lengths[i], with lengths[i]
-    the token count of response i (a registered reward's own score pays the same cost). acc is
-    unchanged. What the fast path cannot decide goes to the math-verify worker pool, each item
+    the token count of response i (a registered reward's own score pays the same cost). stopped (a bool
+    per response: the model ended it, not a token limit): a response a limit cut earns no accuracy credit
+    (require_stop). acc is unchanged. What the fast path cannot decide goes to the math-verify worker pool, each item
     limited to `timeout` seconds per gold, spread over `workers` worker processes (default: all
     usable cores); small batches use one worker."""
     n = len(responses)
@@ -573,4 +577,17 @@ def score_batch(data_sources, responses, ground_truths, *, lengths=None, length_
         out[i] = _math_result(out[i]["pred"], verdict)
     for r, length in zip(out, lengths if length_coef else ()):
         r["score"] -= length_coef * length
+    if stopped is not None:
+        require_stop(out, stopped)
     return out
+
+
+def require_stop(results, stopped):
+    """A response that a token limit cut, not the model, earns no accuracy credit: score -= acc. DAPO's overlong
+    punishment (Yu et al. 2025, "DAPO", section 3.4) in its hard form, at the turn budget: a model that answers and
+    then runs on (repeating its answer line, say) makes the engine decode to the limit, and a user pays for every
+    one of those tokens, while the turn rule's cut hides them from the reward. Off by default (the paper's reward)."""
+    for r, ended in zip(results, stopped):
+        if not ended:
+            r["score"] -= r["acc"]
+    return results

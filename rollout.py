@@ -27,6 +27,7 @@ from tqdm import tqdm
 from cli import ArgumentParser, die, positive_int, write_atomic
 from engines import RolloutTimeout, make_engine
 from model import end_of_turn_ids, load_tokenizer, resolve_model
+from repetition import repeated
 from reward import find_answer  # one answer detector for the turn rule and the reward
 from system import choose_dtype, keep_freed_memory, quiet_logs
 
@@ -93,6 +94,18 @@ def wants_intervention(answered, hit_budget, rule="reference"):
     return not answered and (hit_budget or rule == "reference")
 
 
+def tokens_through(token_ids, decode, n_chars):
+    """The shortest prefix of token_ids whose decoded text is at least n_chars long (its length in tokens)."""
+    lo, hi = 0, len(token_ids)  # decoded length grows with the prefix: bisect for the first one reaching n_chars
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= n_chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def answer_prefix(token_ids, decode, cut_at_answer=True, eos=()):
     """(n_keep, answer): the turn's explicit answer (reward.find_answer, so the turn rule and the reward
     read answers alike) and how many of its tokens to keep. With cut_at_answer, as the reference cuts
@@ -104,18 +117,22 @@ def answer_prefix(token_ids, decode, cut_at_answer=True, eos=()):
     found = find_answer(decode(token_ids), first=cut_at_answer)
     if found is None or not cut_at_answer:
         return len(token_ids), found
-    lo, hi = 1, len(token_ids)  # decoded length grows with the prefix: bisect for the first one reaching end
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(decode(token_ids[:mid])) >= found.end:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = max(1, tokens_through(token_ids, decode, found.end))
     while lo < len(token_ids) and find_answer(decode(token_ids[:lo]), first=True) != found:
         lo += 1  # a token boundary that decodes differently (merged spaces, split characters)
     if lo < len(token_ids) and token_ids[lo] in eos:
         lo += 1
     return lo, found
+
+
+def loop_of(decoded_ids, last_turn_start, capped, decode):
+    """repetition.repeated for a response: decoded_ids, every token the engine decoded into it (interventions in
+    place, the cut tail of its last turn included); the first answer is looked for in the last turn only (earlier
+    turns held none: they got interventions), so no intervention text is read as one."""
+    last = decoded_ids[last_turn_start:]
+    found = find_answer(decode(last), first=True) if capped else None
+    at = None if found is None else last_turn_start + tokens_through(last, decode, found.close)
+    return repeated(decoded_ids, capped, at)
 
 
 def policy_text(response_ids, action_mask, decode):
@@ -152,6 +169,10 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
     rule), truncated (ran out of turns or room without an answer), hit_cap (a token limit cut its last turn before
     any answer: the turn budget, --max-response-tokens or the context), response_text (everything, for people)
     and policy_text (the policy's kept tokens only: what is scored, so no intervention is read as an answer).
+    What the engine paid: decoded_tokens (every token it decoded, every turn, what a cut dropped included: the
+    figure a user pays), turn_spans ([start in response_ids, tokens decoded] per turn), dropped_ids (the last
+    turn's tokens after its cut), stopped (the model ended the last turn, not a token limit), repeated and
+    repeated_after_answer (the engine ran into the limit in a loop: repetition.repeated, on the decoded tokens).
     """
     if turn_rule not in TURN_RULES:
         raise ValueError(f"turn_rule must be one of {TURN_RULES}, got {turn_rule!r}")
@@ -171,7 +192,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
         for j in range(n):
             trajs.append(dict(prompt_ids=list(p), response_ids=[], action_mask=[], rollout_logprobs=[], turns=0,
                               interventions=0, answered=False, cut_turns=0, finished=False, truncated=False, hit_cap=False,
-                              prompt_index=pi, sample_index=j))
+                              turn_spans=[], dropped_ids=[], stopped=False, prompt_index=pi, sample_index=j))
 
     def room(t):  # tokens this trajectory may still add, under both caps
         return min(max_resp - len(t["response_ids"]), ctx - len(t["prompt_ids"]) - len(t["response_ids"]))
@@ -202,6 +223,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
             if intervene and c.stopped and c.token_ids and c.token_ids[-1] in eos:
                 keep -= 1  # the EOS of an answerless turn is no action when the trajectory goes on
             t["turns"] += 1
+            t["turn_spans"].append([len(t["response_ids"]), len(c.token_ids)])
             t["cut_turns"] += keep < len(c.token_ids) and found is not None
             t["answered"] = found is not None
             kept_room = room(t) - keep
@@ -214,6 +236,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
             if intervene:  # out of interventions or room: the turn keeps its EOS, as a last turn does
                 keep = len(c.token_ids)
             append(t, c.token_ids[:keep], c.logprobs[:keep], True)
+            t["dropped_ids"], t["stopped"] = list(c.token_ids[keep:]), bool(c.stopped)
             # answered, or stopped by the model without an answer under the paper rule; else cut by a cap
             t["finished"] = found is not None or (c.stopped and not intervene)
             t["truncated"] = not t["finished"]
@@ -224,9 +247,13 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
     for t in trajs:
         t["response_text"] = decode(t["response_ids"])
         t["policy_text"] = policy_text(t["response_ids"], t["action_mask"], decode)
+        t["decoded_tokens"] = sum(n for _, n in t["turn_spans"])
+        loop = loop_of(t["response_ids"] + t["dropped_ids"], t["turn_spans"][-1][0], not t["stopped"], decode)
+        t["repeated"], t["repeated_after_answer"] = loop is not None, loop == "after answer"
     rollout = Rollout(trajs)
     rollout.stats = dict(seconds=time.perf_counter() - t0, engine_calls=calls,
-                         action_tokens=sum(sum(t["action_mask"]) for t in trajs))
+                         action_tokens=sum(sum(t["action_mask"]) for t in trajs),
+                         decoded_tokens=sum(t["decoded_tokens"] for t in trajs))
     return rollout
 
 
@@ -260,13 +287,29 @@ def shard_indices(num_prompts, rank, world_size):
 
 # ----------------------------------------------------------------------------- CLI
 
+# per trajectory, summed by trajectory_sums (train.py's metrics average them): tokens decoded by the engine (every turn, a cut's dropped tail included:
+# what a user pays), kept (the policy's tokens up to each cut: what is trained on), the interventions' tokens (the
+# environment's, never decoded); turns; ended on an answer; ran into a token limit in a loop (repetition.py)
+TRAJECTORY_KEYS = ("decoded_tokens", "kept_tokens", "intervention_tokens", "turns", "answered", "repeated",
+                   "repeated_after_answer")
+
+
+def trajectory_sums(trajs):
+    """TRAJECTORY_KEYS summed over rollout.sample's trajectories."""
+    kept = [sum(t["action_mask"]) for t in trajs]
+    return {"decoded_tokens": float(sum(t["decoded_tokens"] for t in trajs)), "kept_tokens": float(sum(kept)),
+            "intervention_tokens": float(sum(len(t["response_ids"]) for t in trajs) - sum(kept)),
+            **{k: float(sum(t[k] for t in trajs)) for k in ("turns", "answered", "repeated", "repeated_after_answer")}}
+
+
 def summarize(rollout, seconds):
-    tokens = sum(len(t["response_ids"]) for t in rollout)
-    actions = sum(sum(t["action_mask"]) for t in rollout)
-    B = max(1, len(rollout))
-    return dict(trajectories=len(rollout), action_tokens=actions, seconds=round(seconds, 3),
-                tokens_per_s=round(actions / max(seconds, 1e-9), 1), response_tokens=tokens,
-                mean_turns=round(sum(t["turns"] for t in rollout) / B, 3),
+    """The CLI's summary line: totals of TRAJECTORY_KEYS' tokens, per-trajectory means of the rest, decoded tokens/s."""
+    sums, B = trajectory_sums(rollout), max(1, len(rollout))
+    return dict(trajectories=len(rollout), seconds=round(seconds, 3),
+                tokens_per_s=round(sums["decoded_tokens"] / max(seconds, 1e-9), 1),
+                **{k: int(sums[k]) for k in ("decoded_tokens", "kept_tokens", "intervention_tokens")},
+                mean_turns=round(sums["turns"] / B, 3), repeated=round(sums["repeated"] / B, 3),
+                repeated_after_answer=round(sums["repeated_after_answer"] / B, 3),
                 intervened=round(sum(t["interventions"] > 0 for t in rollout) / B, 3),
                 finished=round(sum(t["finished"] for t in rollout) / B, 3))
 

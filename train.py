@@ -39,7 +39,7 @@ import rollout
 from checkpoint import damage, rng_states, save_checkpoint
 from cli import ArgumentParser, deprecated, die, positive_int
 from model import token_logprobs
-from logs import format_line, make_logger, report, step_metrics, timed
+from logs import format_line, format_tokens, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
 from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, full_state_dict, reshard
 from system import quiet_logs
@@ -86,7 +86,10 @@ def parse_args(argv=None):
     a("--kl-target", type=float, default=None, help="adaptive KL controller target (default: fixed coefficient)")
     a("--kl-horizon", type=float, default=10000, help="adaptive KL controller horizon")
     a("--length-coef", type=float, default=0.0,
-      help="per-token cost on the reward, score = acc - C * policy tokens (the length-penalty baseline; 0 = off)")
+      help="per-token cost on the reward, score = acc - C * decoded tokens (the length-penalty baseline; 0 = off)")
+    a("--require-stop", action="store_true",
+      help="a correct answer scores only if the model ended the response itself; one that a token limit cut after "
+           "its answer scores 0 (DAPO's overlong punishment, hard; off: the paper's reward)")
     a("--gamma", type=float, default=1.0, help="discount")
     a("--lam", type=float, default=1.0, help="GAE lambda")
     a("--clip-low", type=float, default=0.2, help="PPO ratio clip below 1")
@@ -270,7 +273,7 @@ def log_step(run, logger, metrics, val_history):
     if "reward/mean" in metrics:
         print(format_line(metrics, run.total_steps), flush=True)
     else:
-        print(f"[val] step {metrics['step']}  acc {metrics['val/acc']:.3f}  tokens {metrics['val/response_length']:.1f}  "
+        print(f"[val] step {metrics['step']}  acc {metrics['val/acc']:.3f}  {format_tokens(metrics, 'val/')}  "
               f"turns {metrics['val/turns']:.2f}  ({metrics['time/validate']:.1f}s)", flush=True)
 
 
@@ -313,13 +316,15 @@ def score(trajs, records, args):
     """Binary accuracy of each trajectory's final explicit answer, read from the policy's own text (never an
     intervention); the first answer when turns are cut at it, else the last. No explicit answer scores 0, as in
     the paper, also where eval.py would read the last number: the reward then asks for what the turn rule does.
-    --length-coef subtracts a cost per policy token (interventions are not the policy's)."""
+    --length-coef subtracts a cost per decoded token (what a user pays: a cut's dropped tail included,
+    interventions not: the environment wrote them); --require-stop takes the credit of a correct answer from a
+    response that a token limit cut (reward.require_stop)."""
     recs = [records[t["prompt_index"]] for t in trajs]
-    length = ({"length_coef": args.length_coef, "lengths": [sum(t["action_mask"]) for t in trajs]}
+    length = ({"length_coef": args.length_coef, "lengths": [t["decoded_tokens"] for t in trajs]}
               if args.length_coef else {})
     return reward.score_batch([r["data_source"] for r in recs], [t["policy_text"] for t in trajs],
                               [r["ground_truth"] for r in recs], first=args.cut_at_answer, last_number=False,
-                              **length)
+                              stopped=[t["stopped"] for t in trajs] if args.require_stop else None, **length)
 
 
 def no_grad_passes(run, args, batch, bar, check=None):
@@ -503,11 +508,9 @@ def validate(run, args):
                         **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, n=1, temperature=0.0))
     run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
-    t = all_reduce_dict({"acc": sum(r["acc"] for r in results), "tokens": sum(len(x["response_ids"]) for x in ro),
-                         "turns": sum(x["turns"] for x in ro), "answered": sum(x["answered"] for x in ro),
-                         "count": len(results)}, run.device)
-    return {"val/acc": t["acc"] / t["count"], "val/response_length": t["tokens"] / t["count"],
-            "val/turns": t["turns"] / t["count"], "val/answered": t["answered"] / t["count"],
+    t = all_reduce_dict({"acc": sum(r["acc"] for r in results), **rollout.trajectory_sums(ro), "count": len(results)},
+                        run.device)
+    return {"val/acc": t["acc"] / t["count"], **{f"val/{k}": t[k] / t["count"] for k in rollout.TRAJECTORY_KEYS},
             "time/validate": time.time() - t0}
 
 

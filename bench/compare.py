@@ -94,7 +94,7 @@ def aggregate(per_seed):
     keys = dict.fromkeys(k for m in per_seed for k in m if k != "seed")
     out = {k: (statistics.fmean(v) if (v := [m[k] for m in per_seed if m.get(k) is not None]) else None)
            for k in keys}
-    accs, toks, S = [m["acc"] for m in per_seed], [m["mean_tokens"] for m in per_seed], len(per_seed)
+    accs, toks, S = [m["acc"] for m in per_seed], [m["decoded_tokens"] for m in per_seed], len(per_seed)
     seed_var = statistics.variance(accs) / S if S > 1 else 0.0
     out.update(acc_min=min(accs), acc_max=max(accs), seeds=S,
                acc_se=math.sqrt(seed_var + binomial_se(out["acc"], out["n"]) ** 2),
@@ -107,13 +107,16 @@ def table(rows, turn_tokens):
     def f(v, fmt, scale=1):
         return "–" if v is None else format(v * scale, fmt)
     head = ["run", "seeds", "acc %", "± SE", "seed range", f"acc % at {turn_tokens} tok", "mean tok", "median tok",
-            "at cap %", "unfinished %", "val acc % (own)", "val tok (own)", "val turns (own)", "train min"]
+            "at cap %", "unfinished %", "repeated % (after answer)", "val acc % (own)", "val tok (own)",
+            "val turns (own)", "train min"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in rows:
         spread = f"{100 * m['acc_min']:.1f}–{100 * m['acc_max']:.1f}" if m["seeds"] > 1 else "–"
         cells = [name, str(m["seeds"]), f(m["acc"], ".1f", 100), f(m["acc_se"], ".1f", 100), spread,
-                 f(m.get("acc_at_T"), ".1f", 100), f(m["mean_tokens"], ".0f"), f(m["median_tokens"], ".0f"),
-                 f(m.get("at_cap"), ".0f", 100), f(m.get("unfinished"), ".0f", 100), f(m.get("val_acc"), ".1f", 100),
+                 f(m.get("acc_at_T"), ".1f", 100), f(m["decoded_tokens"], ".0f"), f(m["median_decoded_tokens"], ".0f"),
+                 f(m.get("at_cap"), ".0f", 100), f(m.get("unfinished"), ".0f", 100),
+                 f"{f(m.get('repeated'), '.0f', 100)} ({f(m.get('repeated_after_answer'), '.0f', 100)})",
+                 f(m.get("val_acc"), ".1f", 100),
                  f(m.get("val_tokens"), ".0f"), f(m.get("val_turns"), ".2f"), f(m.get("wall_s"), ".1f", 1 / 60)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -144,7 +147,7 @@ def at_cap(samples_path, benchmark, cap):
     for line in open(samples_path):
         s = json.loads(line)
         if s["benchmark"] == benchmark:
-            hits.setdefault(s["checkpoint"], []).append(s["num_tokens"] >= cap)
+            hits.setdefault(s["checkpoint"], []).append(s["decoded_tokens"] >= cap)
     return {c: statistics.fmean(v) for c, v in hits.items()}
 
 
@@ -162,7 +165,7 @@ def train_rows(run_dir):
 
 def last_val(rows):
     """The last validation of a run as table metrics, or {}."""
-    return {"val_acc": rows[-1]["val/acc"], "val_tokens": rows[-1]["val/response_length"],
+    return {"val_acc": rows[-1]["val/acc"], "val_tokens": rows[-1]["val/decoded_tokens"],
             "val_turns": rows[-1].get("val/turns"), "val_step": rows[-1]["step"]} if rows else {}
 
 
@@ -248,13 +251,13 @@ def plot(found, path):
         color = colors.setdefault(name, f"C{len(colors)}")
         style = ("-", "--", ":", "-.")[seeds.index(seed) % 4]  # one dash per seed
         for ax, key, vkey, scale in ((axes[0], "acc/mean", "val/acc", 100),
-                                     (axes[1], "response_length/mean", "val/response_length", 1)):
+                                     (axes[1], "decoded_tokens/mean", "val/decoded_tokens", 1)):
             ax.plot([r["step"] for r in rows], [scale * r[key] for r in rows], color=color, linestyle=style,
                     label=f"{name} s{seed}")
             ax.plot([r["step"] for r in val], [scale * r[vkey] for r in val], marker="o", markersize=7,
                     color=color, linestyle="none")
     axes[0].set(title="accuracy % (line: training rollouts; o: validation)", xlabel="step")
-    axes[1].set(title="mean response tokens (line: training rollouts; o: validation)", xlabel="step")
+    axes[1].set(title="mean decoded tokens (line: training rollouts; o: validation)", xlabel="step")
     for ax in axes:
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
@@ -272,9 +275,9 @@ def frontier(tables, path):
     fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False)
     for ax, (protocol, rows) in zip(axes[0], tables.items()):
         for i, (name, m) in enumerate(rows):
-            ax.errorbar(m["mean_tokens"], 100 * m["acc"], yerr=100 * m["acc_se"], xerr=m["tok_se"] or 0, fmt="o",
+            ax.errorbar(m["decoded_tokens"], 100 * m["acc"], yerr=100 * m["acc_se"], xerr=m["tok_se"] or 0, fmt="o",
                         color="black" if name == "untrained" else f"C{i}", capsize=3, label=name)
-        ax.set(title=f"{protocol}: accuracy % against mean response tokens", xlabel="mean response tokens",
+        ax.set(title=f"{protocol}: accuracy % against mean decoded tokens", xlabel="mean decoded tokens",
                ylabel="accuracy % (± SE over seeds and problems)")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -306,8 +309,9 @@ def evaluate(out, ta, found, cap, T, opts, protocol):
     def scored(ckpt):
         r = results[ckpt][ta.val_data]
         return {"acc": r["accuracy"], "n": r["n"], "acc_at_T": r.get("budget_accuracy", {}).get(str(T)),
-                "mean_tokens": r["mean_tokens"], "median_tokens": r["median_tokens"], "at_cap": capped[ckpt],
-                "unfinished": r.get("truncated")}
+                "decoded_tokens": r["decoded_tokens"], "median_decoded_tokens": r["median_decoded_tokens"],
+                "at_cap": capped[ckpt], "unfinished": r.get("truncated"), "repeated": r.get("repeated"),
+                "repeated_after_answer": r.get("repeated_after_answer")}
     return scored, argv, time.time() - t0
 
 
@@ -356,11 +360,13 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"- Validation while training (val columns, the markers in curves.png): greedy, each run in its own rollout "
         f"setting, on {'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, "
         f"{every}; the columns show the last one. curves.png's lines: the training rollouts of every step.",
-        f"- Final evaluation (acc, tokens, at cap, unfinished): one eval.py call per protocol, {setting}, on the "
+        f"- Final evaluation (acc, tokens, at cap, unfinished, repeated): one eval.py call per protocol, {setting}, on the "
         f"problems of `{ta.val_data}` (n below); acc at {T} tok re-scores the same generations cut at {T} tokens; "
         f"at cap: "
         f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
-        f"before any answer; SE = sqrt(s_seeds^2/S + p(1-p)/n) (the seeds' spread and the problems' binomial "
+        f"before any answer; repeated: responses that ran into the cap in a loop, before or after an answer (in "
+        f"brackets: after one); tokens are those the engine decoded (val tok too: every turn, what a turn's cut "
+        f"dropped included); SE = sqrt(s_seeds^2/S + p(1-p)/n) (the seeds' spread and the problems' binomial "
         f"error); frontier.png plots accuracy against mean tokens with these bars.",
         "", "| run | why | extra train.py arguments |", "|---|---|---|",
         *[f"| {k} | {run_spec(k)[0]} | `{' '.join(run_spec(k)[1](T, cap)) or '(none)'}` |"

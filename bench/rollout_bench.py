@@ -88,15 +88,15 @@ def main():
         # forced: no EOS, every sample runs all turns -> same batch shape as one plain call of `full` tokens;
         # the ratio is the cost of the turn machinery alone (3 calls, intervention prefill, bookkeeping)
         ro = rollout.sample(engine, prompts, seed=r, **{**kw, "eos_ids": []})
-        runs["mt_forced"].append(ro.stats["action_tokens"] / ro.stats["seconds"])
+        runs["mt_forced"].append(ro.stats["decoded_tokens"] / ro.stats["seconds"])
         n_tok, s = plain_generate(engine, rows, full, args.temperature, features=False)
         runs["plain"].append(n_tok / s)
         n_tok, s = plain_generate(engine, rows, full, args.temperature, features=True)
         runs["plain_feat"].append(n_tok / s)
         # natural: EOS ends samples, later turns run smaller batches; plain call of the same token count
         ro = rollout.sample(engine, prompts, seed=r, **kw)
-        runs["mt_natural"].append(ro.stats["action_tokens"] / ro.stats["seconds"])
-        n_tok, s = plain_generate(engine, rows, max(1, round(ro.stats["action_tokens"] / len(rows))),
+        runs["mt_natural"].append(ro.stats["decoded_tokens"] / ro.stats["seconds"])
+        n_tok, s = plain_generate(engine, rows, max(1, round(ro.stats["decoded_tokens"] / len(rows))),
                                   args.temperature, features=True)
         runs["plain_natural"].append(n_tok / s)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -131,7 +131,7 @@ def main():
         speed = {}
         for name, eng in (("vllm", engine), ("hf", engines.make_engine(path, kind="hf", dtype=args.engine_dtype, seed=0))):
             ro = rollout.sample(eng, prompts[:args.hf_limit], seed=0, **kw)
-            speed[name] = ro.stats["action_tokens"] / ro.stats["seconds"]
+            speed[name] = ro.stats["decoded_tokens"] / ro.stats["seconds"]
         res.update(hf_prompts=args.hf_limit, vllm_small_tok_s=round(speed["vllm"], 1),
                    hf_small_tok_s=round(speed["hf"], 1), vllm_over_hf=round(speed["vllm"] / speed["hf"], 2))
     res["load_avg_1m"] = round(os.getloadavg()[0], 1)

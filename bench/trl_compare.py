@@ -125,7 +125,7 @@ def run_ours(python, args, out):
     med = lambda key: statistics.median(r[key] for r in rows if r.get(key) is not None)  # noqa: E731
     return {"median_step_s": med("time/step"), "steps": [r["time/step"] for r in rows],
             "phases": {p: med(f"time/{p}") for p in PHASES if any(f"time/{p}" in r for r in rows)},
-            "completion_tokens": med("response_length/mean")}
+            "completion_tokens": med("decoded_tokens/mean")}
 
 
 def run_trl(python, args, out):

@@ -95,3 +95,45 @@ def vllm_two_rank_env(two_rank_env):
         reason = f"2 ranks with vLLM's CUDA build need 2 GPUs, found {torch.cuda.device_count()}"
     print(f"SKIP: {reason}", file=sys.stderr)
     pytest.skip(reason)
+
+
+def make_scripted_model(out_dir, text, then="loop", seed=0):
+    """A 2-layer Llama whose greedy output is `text` written by real weights, then again and again (then="loop") or
+    an end-of-turn token (then="stop"): the layers add nothing to the residual stream (o_proj and down_proj zero),
+    so each next token is a function of the current one alone, set in the untied lm_head. `text` starts with the
+    chat template's last token ('\\n', after 'assistant'); a token may appear once in it, except that the first
+    may come again as its last (then each occurrence is followed alike)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(model.resolve_model("smollm2"))
+    ids = tok.encode(text, add_special_tokens=False)
+    nxt = dict(zip(ids, ids[1:]))  # the successor of each token
+    nxt[ids[-1]] = (nxt[ids[0]] if ids[-1] == ids[0] else ids[1]) if then == "loop" else tok.eos_token_id
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, dtype="float32", bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    net = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in net.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = net.model.embed_tokens.weight, net.lm_head.weight
+        head.zero_()
+        for a, b in nxt.items():
+            head[b] += 50 * emb[a] / emb[a].norm()
+    out_dir = Path(out_dir)
+    net.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="session")
+def answer_loop_models(tmp_path_factory):
+    """Two scripted models (make_scripted_model) that answer at once: 'looper' then writes its answer paragraph
+    again and again until a token limit stops it, 'stopper' ends its turn after the answer."""
+    base = tmp_path_factory.mktemp("scripted")
+    return {"looper": make_scripted_model(base / "looper", "\nAnswer: 7\n\n", then="loop"),
+            "stopper": make_scripted_model(base / "stopper", "\nAnswer: 7", then="stop")}

@@ -77,15 +77,15 @@ def test_binomial_se():
 
 
 def test_aggregate_means_over_seeds_and_keeps_the_range():
-    a = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "mean_tokens": 10, "truncated": None, "val_acc": 0.4},
-                           {"seed": 1, "acc": 0.7, "n": 100, "mean_tokens": 20, "truncated": None}])
-    assert a["acc"] == pytest.approx(0.6) and a["mean_tokens"] == pytest.approx(15)
+    a = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "decoded_tokens": 10, "truncated": None, "val_acc": 0.4},
+                           {"seed": 1, "acc": 0.7, "n": 100, "decoded_tokens": 20, "truncated": None}])
+    assert a["acc"] == pytest.approx(0.6) and a["decoded_tokens"] == pytest.approx(15)
     assert (a["acc_min"], a["acc_max"], a["seeds"], a["n"]) == (0.5, 0.7, 2, 100)
     assert a["truncated"] is None and a["val_acc"] == pytest.approx(0.4)   # only the seeds that have it
     assert "seed" not in a
     assert a["acc_se"] == pytest.approx(math.sqrt(0.02 / 2 + 0.6 * 0.4 / 100))
     assert a["tok_se"] == pytest.approx(math.sqrt(50) / math.sqrt(2))       # stdev of 10 and 20 over sqrt(2)
-    one = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "mean_tokens": 10}])
+    one = compare.aggregate([{"seed": 0, "acc": 0.5, "n": 100, "decoded_tokens": 10}])
     assert one["acc_se"] == pytest.approx(0.05) and one["tok_se"] is None  # one seed: the problems' error only
 
 
@@ -94,11 +94,11 @@ def _cells(md, row):
 
 
 def test_table_cells():
-    one = compare.aggregate([{"acc": 0.82, "n": 100, "acc_at_T": 0.8, "mean_tokens": 16.54, "median_tokens": 15,
-                              "at_cap": 0.0, "unfinished": 0.02, "val_acc": 0.8, "val_tokens": 17.2, "val_turns": 1.0,
-                              "wall_s": 390}])
-    two = compare.aggregate([{"acc": 0.5, "n": 100, "mean_tokens": 100, "median_tokens": 90, "at_cap": 0.25},
-                             {"acc": 0.7, "n": 100, "mean_tokens": 120, "median_tokens": 110, "at_cap": 0.35}])
+    one = compare.aggregate([{"acc": 0.82, "n": 100, "acc_at_T": 0.8, "decoded_tokens": 16.54, "median_decoded_tokens": 15,
+                              "at_cap": 0.0, "unfinished": 0.02, "repeated": 0.1, "repeated_after_answer": 0.07,
+                              "val_acc": 0.8, "val_tokens": 17.2, "val_turns": 1.0, "wall_s": 390}])
+    two = compare.aggregate([{"acc": 0.5, "n": 100, "decoded_tokens": 100, "median_decoded_tokens": 90, "at_cap": 0.25},
+                             {"acc": 0.7, "n": 100, "decoded_tokens": 120, "median_decoded_tokens": 110, "at_cap": 0.35}])
     md = compare.table([("mutis", one), ("single_cap", two)], 64)
     head = _cells(md, 0)
     assert "acc % at 64 tok" in head
@@ -106,13 +106,14 @@ def test_table_cells():
     assert all(len(_cells(md, i)) == len(head) for i in range(4))
     assert rows[0] == {"run": "mutis", "seeds": "1", "acc %": "82.0", "± SE": "3.8", "seed range": "–",
                        "acc % at 64 tok": "80.0", "mean tok": "17", "median tok": "15", "at cap %": "0",
-                       "unfinished %": "2",
+                       "unfinished %": "2", "repeated % (after answer)": "10 (7)",
                        "val acc % (own)": "80.0", "val tok (own)": "17", "val turns (own)": "1.00", "train min": "6.5"}
     # two seeds: the seeds' variance over 2 plus the binomial variance of 100 problems
     seeds_var = ((0.5 - 0.6) ** 2 + (0.7 - 0.6) ** 2) / (2 - 1) / 2
     assert rows[1]["acc %"] == "60.0" and rows[1]["± SE"] == f"{100 * math.sqrt(seeds_var + 0.6 * 0.4 / 100):.1f}" \
         == "11.1"
     assert rows[1]["seed range"] == "50.0–70.0" and rows[1]["at cap %"] == "30" and rows[1]["unfinished %"] == "–"
+    assert rows[1]["repeated % (after answer)"] == "– (–)"
     assert rows[1]["val acc % (own)"] == rows[1]["train min"] == rows[1]["acc % at 64 tok"] == "–"
 
 
@@ -159,10 +160,10 @@ def test_finished_runs_in_runs_order_with_their_last_validation(tmp_path):
         if done:
             (d / "compare.json").write_text(json.dumps({"run": name, "seed": seed, "wall_s": 1.0, "args": []}))
         return d
-    val = {"val/acc": 0.5, "val/response_length": 40.0, "val/turns": 1.5}
+    val = {"val/acc": 0.5, "val/decoded_tokens": 40.0, "val/turns": 1.5}
     run("single_hard", 0, [{"step": 0, **val}])
-    run("mutis", 1, [{"step": 0, **val}, {"step": 1, "acc/mean": 0.3, "response_length/mean": 50.0},
-                     {"step": 2, "val/acc": 0.75, "val/response_length": 20.0, "val/turns": 1.0}])
+    run("mutis", 1, [{"step": 0, **val}, {"step": 1, "acc/mean": 0.3, "decoded_tokens/mean": 50.0},
+                     {"step": 2, "val/acc": 0.75, "val/decoded_tokens": 20.0, "val/turns": 1.0}])
     run("mutis", 0, [])
     run("single_cap", 0, [], done=False)   # train.py failed or still running: not gathered
     found = compare.finished_runs(tmp_path)
@@ -187,7 +188,7 @@ def test_at_cap_counts_responses_that_used_the_whole_cap(tmp_path):
     rows = [("a", "arith_test", 264), ("a", "arith_test", 263), ("a", "gsm8k", 264), ("b", "arith_test", 10),
             ("a", "arith_test", 264), ("a", "arith_test", 5)]
     path = tmp_path / "samples.jsonl"
-    path.write_text("".join(json.dumps({"checkpoint": c, "benchmark": b, "num_tokens": t}) + "\n" for c, b, t in rows))
+    path.write_text("".join(json.dumps({"checkpoint": c, "benchmark": b, "decoded_tokens": t}) + "\n" for c, b, t in rows))
     assert compare.at_cap(path, "arith_test", 264) == {"a": 0.5, "b": 0.0}
 
 
@@ -217,10 +218,10 @@ def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypat
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
         ckpts = [c for c in cmd[2:cmd.index("--benchmarks")]]
-        res = {c: {"arith_test": {"accuracy": 0.5, "n": 2, "mean_tokens": 9.0, "median_tokens": 9}} for c in ckpts}
+        res = {c: {"arith_test": {"accuracy": 0.5, "n": 2, "decoded_tokens": 9.0, "median_decoded_tokens": 9}} for c in ckpts}
         (out / "summary.json").write_text(json.dumps({"results": res}))
         (out / "samples.jsonl").write_text("".join(json.dumps({"benchmark": "arith_test", "checkpoint": c,
-                                                               "num_tokens": 9}) + "\n" for c in ckpts))
+                                                               "decoded_tokens": 9}) + "\n" for c in ckpts))
         return 0
     monkeypatch.setattr(compare, "stream", fake_eval)
     ta = train.parse_args(BASE)

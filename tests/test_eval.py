@@ -53,7 +53,7 @@ def test_score_jsonl_exact_accuracy_two_checkpoints(tmp_path):
     assert summary["b"]["gsm8k"]["accuracy"] == pytest.approx(1 / 3)
     assert summary["a"]["math500"]["accuracy"] == pytest.approx(1 / 2)
     assert summary["b"]["math500"]["accuracy"] == pytest.approx(1.0)
-    assert summary["a"]["gsm8k"]["mean_tokens"] == pytest.approx(20.0)
+    assert summary["a"]["gsm8k"]["decoded_tokens"] == pytest.approx(20.0)  # the file's num_tokens
     assert summary["a"]["math500"]["truncated"] == pytest.approx(0.5)  # from the file's column
     assert summary["a"]["math500"]["has_answer"] == pytest.approx(0.5)  # "no answer here"
     assert summary["a"]["gsm8k"]["truncated"] is None  # unknown: no column
@@ -86,7 +86,7 @@ def test_score_parquet_n_samples_pass_at_k(tmp_path):
         brute = [sum(any(s) for s in itertools.combinations([True] * c + [False] * (4 - c), k))
                  / len(list(itertools.combinations(range(4), k))) for c in counts]
         assert stats[f"pass@{k}"] == pytest.approx(sum(brute) / 3)
-    assert stats["mean_tokens"] > 0  # counted with --tokenizer
+    assert stats["decoded_tokens"] > 0  # counted with --tokenizer
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 12
 
 
@@ -201,7 +201,7 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert len(samples) == 6
     assert [(s["benchmark"], s["id"]) for s in samples][:1] == [("gsm8k", "gsm8k-test-0000")]
-    for key in ("benchmark", "id", "problem", "response_text", "pred", "gold", "correct", "num_tokens",
+    for key in ("benchmark", "id", "problem", "response_text", "pred", "gold", "correct", "decoded_tokens",
                 "turns", "checkpoint", "budget_correct", "response_ids"):
         assert all(key in s for s in samples), key
     assert summary["generated_tokens"] == 48  # one generation at the largest budget
@@ -213,14 +213,15 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
         stats = summary["results"][str(tiny_model_dir)][bench]
         assert stats["n"] == 3
         assert stats["accuracy"] == pytest.approx(sum(s["correct"] for s in mine) / 3)
-        assert stats["mean_tokens"] == pytest.approx(sum(s["num_tokens"] for s in mine) / 3)
-        assert stats["median_tokens"] == sorted(s["num_tokens"] for s in mine)[1]
+        assert stats["decoded_tokens"] == pytest.approx(sum(s["decoded_tokens"] for s in mine) / 3)
+        assert stats["median_decoded_tokens"] == sorted(s["decoded_tokens"] for s in mine)[1]
         assert stats["truncated"] == pytest.approx(sum(s["truncated"] for s in mine) / 3)
         assert stats["has_answer"] == pytest.approx(sum(s["pred"] is not None for s in mine) / 3)
         for b in (8, 16, 48):
             assert stats["budget_accuracy"][str(b)] == pytest.approx(sum(s["budget_correct"][str(b)] for s in mine) / 3)
         for s in mine:
-            assert s["num_tokens"] == min(len(s["response_ids"]), 32) and len(s["response_ids"]) <= 48
+            assert s["decoded_tokens"] == min(len(s["response_ids"]), 32) and len(s["response_ids"]) <= 48
+            assert s["kept_tokens"] == s["decoded_tokens"] and s["intervention_tokens"] == 0  # single turn: no cut
             if len(s["response_ids"]) > 32:  # cut at --max-response-tokens from the 48-token generation
                 assert s["truncated"]
             elif len(s["response_ids"]) < 32:  # the model ended it: truncated means cut by the cap, nothing else
@@ -283,7 +284,8 @@ def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine)
             cut20 = ev.score_generated(with_gold(long), gen_args(max_response_tokens=20, budgets=[48]), tok)
             real20 = ev.score_generated(with_gold(short), gen_args(max_response_tokens=20), tok)
             for a, r in zip(cut20, real20):
-                for key in ("response_text", "num_tokens", "truncated", "turns", "correct", "pred", "has_answer"):
+                for key in ("response_text", "decoded_tokens", "kept_tokens", "truncated", "repeated", "turns", "correct",
+                            "pred", "has_answer"):
                     assert a[key] == r[key], key
     assert seen == {True, False}  # the check saw both verdicts
     # summary numbers == recomputation from the samples
@@ -308,9 +310,10 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     for b in budgets:
         short = ev.generate(smol_engine, tok, records, gen_args(max_response_tokens=b, **args))
         for lg, sh in zip(long, short):
-            text, ntok, trunc, turns = ev.cut(lg, b, tok)
-            assert (ntok, trunc, turns) == (len(sh["response_ids"]), sh["_truncated"], sh["_turns"]), b
-            assert lg["response_ids"][:ntok] == sh["response_ids"] and text == sh["_full_text"]
+            at = ev.at_limit(lg, b, tok, ev.cuts(gen_args(**args)))
+            assert (at["end"], at["truncated"], at["turns"]) == (len(sh["response_ids"]), sh["_truncated"], sh["_turns"]), b
+            assert at["decoded"] == sum(n for _, n in sh["_spans"]), b  # what that run's engine decoded
+            assert lg["response_ids"][:at["end"]] == sh["response_ids"] and at["text"] == sh["_full_text"]
     scored = ev.score_generated([dict(s) for s in long], gen_args(max_response_tokens=8 + iv + 8, budgets=budgets, **args), tok)
     stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
     assert stats["mean_turns"] == 2.0 and stats["n"] == 2

@@ -14,7 +14,7 @@ import pytest
 import data
 import model
 from conftest import ROOT
-from repetition import is_repeated
+from repetition import loop_period
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 # 12 arithmetic problems, 40 tokens each, at most 3 requests in the engine at once: they finish in waves
@@ -90,11 +90,11 @@ def test_defaults_clamp_the_cap_sweep_the_reference_budgets_and_count_repeats(tm
     assert list(stats["budget_accuracy"]) == [str(b) for b in budgets]
     samples = lines(out / "samples.jsonl")
     assert all(len(s["response_ids"]) <= cap for s in samples)
-    repeated = [is_repeated(s["response_ids"], s["truncated"]) for s in samples]
-    assert [s["repeated"] for s in samples] == repeated
+    repeated = [s["truncated"] and loop_period(s["response_ids"]) is not None for s in samples]  # no answer anywhere
+    assert [s["repeated"] for s in samples] == repeated and not any(s["repeated_after_answer"] for s in samples)
     assert stats["repeated"] == pytest.approx(sum(repeated) / 2)
     assert sum(repeated) >= 1  # a random model's greedy decoding loops
-    assert "| truncated | repeated |" in (out / "summary.md").read_text()
+    assert "| truncated | repeated | after answer |" in (out / "summary.md").read_text()
 
 
 # ----------------------------------------------------------------------------- one engine, resume, ranks

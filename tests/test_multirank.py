@@ -8,8 +8,8 @@ import pytest
 
 from conftest import ROOT, run_script
 
-METRICS = ["reward/mean", "acc/mean", "response_length/mean", "turns/mean", "interventions/mean"]
-VAL_METRICS = ["val/acc", "val/response_length", "val/turns"]
+METRICS = ["reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", "interventions/mean"]
+VAL_METRICS = ["val/acc", "val/decoded_tokens", "val/turns"]
 
 
 def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):

@@ -7,7 +7,7 @@ import pytest
 
 import data
 from model import load_tokenizer
-from repetition import MIN_REPEATS, MIN_TOKENS, TOLERANCE, is_repeated, loop_period
+from repetition import MIN_REPEATS, MIN_TOKENS, TOLERANCE, loop_period, repeated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_a_greedy_loop_is_found_with_the_period_of_its_span(tok):
     for copies in (4, 10, 40):
         seq = ids(tok, PREFIX) + span * copies
         assert loop_period(seq) == len(span), copies
-        assert is_repeated(seq, truncated=True) and not is_repeated(seq, truncated=False)
+        assert repeated(seq, capped=True) == "no answer" and repeated(seq, capped=False) is None
     # the cap cuts a loop anywhere inside its span: the tail is still periodic
     assert loop_period((ids(tok, PREFIX) + span * 12)[:-7]) == len(span)
 

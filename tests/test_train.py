@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, run_script
 
 pytestmark = pytest.mark.slow  # every test here starts train.py
-KEYS = ["step", "reward/mean", "acc/mean", "response_length/mean", "turns/mean", "kl/mean", "loss/pg", "loss/vf",
+KEYS = ["step", "reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", "kl/mean", "loss/pg", "loss/vf",
         "actor/clipfrac", "actor/approx_kl", "actor/entropy", "critic/explained_var", "actor/grad_norm", "time/rollout", "time/update",
         "throughput/tokens_per_s", "perf/tflops/logprobs", "perf/tflops/update"]
 
@@ -48,7 +48,7 @@ def test_two_rank_run_writes_metrics_and_checkpoints(three_steps):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert set(KEYS) <= set(r), set(KEYS) - set(r)
-        assert r["response_length/mean"] > 0 and 1 <= r["turns/mean"] <= 2
+        assert r["decoded_tokens/mean"] > 0 and 1 <= r["turns/mean"] <= 2
     assert rows[-1]["actor/approx_kl"] > 0  # the actor moved between the rollout and the update
     assert os.readlink(three_steps / "latest") == "step_000003"
     for step in (2, 3):
@@ -68,7 +68,7 @@ def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_pa
     full, resumed = metrics(three_steps)[-1], metrics(out)[-1]
     assert resumed["step"] == full["step"] == 3
     assert resumed["reward/mean"] == full["reward/mean"]
-    assert resumed["response_length/mean"] == full["response_length/mean"]
+    assert resumed["decoded_tokens/mean"] == full["decoded_tokens/mean"]
     for key in ("loss/pg", "loss/vf", "kl/mean", "actor/entropy", "actor/approx_kl"):
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
 

@@ -34,16 +34,25 @@ def test_group_estimators_need_two_samples_per_prompt(capsys):
     assert train.parse_args(["--data", "x"]).kl_loss_coef == 0.0
 
 
-def test_length_coef_charges_every_policy_token_and_only_those():
-    """--length-coef: score = acc - C * the policy's tokens (interventions cost nothing), correct or not."""
+def test_length_coef_charges_every_decoded_token_and_only_those():
+    """--length-coef: score = acc - C * the tokens the engine decoded (a cut's dropped tail costs, interventions do
+    not: the environment wrote them), correct or not."""
     records = [{"data_source": "arith", "ground_truth": "12"}]
-    trajs = [dict(prompt_index=0, policy_text="Answer: 12", action_mask=[1] * 10 + [0] * 30 + [1] * 5),
-             dict(prompt_index=0, policy_text="Answer: 13", action_mask=[1] * 20)]
+    trajs = [dict(prompt_index=0, policy_text="Answer: 12", action_mask=[1] * 10 + [0] * 30 + [1] * 5,
+                  decoded_tokens=15 + 40, stopped=False),  # 40 tokens decoded after the answer, cut off
+             dict(prompt_index=0, policy_text="Answer: 13", action_mask=[1] * 20, decoded_tokens=20, stopped=True)]
     for coef in (0.0, 0.01):
-        args = SimpleNamespace(cut_at_answer=True, length_coef=coef)
+        args = SimpleNamespace(cut_at_answer=True, length_coef=coef, require_stop=False)
         got = train.score(trajs, records, args)
         assert [r["acc"] for r in got] == [1.0, 0.0]
-        assert [r["score"] for r in got] == pytest.approx([1.0 - coef * 15, 0.0 - coef * 20])
+        assert [r["score"] for r in got] == pytest.approx([1.0 - coef * 55, 0.0 - coef * 20])
+    # --require-stop: the right answer that a token limit cut earns nothing; acc still counts it (validation, eval)
+    got = train.score(trajs, records, SimpleNamespace(cut_at_answer=True, length_coef=0.01, require_stop=True))
+    assert [r["acc"] for r in got] == [1.0, 0.0]
+    assert [r["score"] for r in got] == pytest.approx([0.0 - 0.01 * 55, 0.0 - 0.01 * 20])
+    stopped = [dict(t, stopped=True) for t in trajs]
+    got = train.score(stopped, records, SimpleNamespace(cut_at_answer=True, length_coef=0.0, require_stop=True))
+    assert [r["score"] for r in got] == [1.0, 0.0]
 
 
 def test_training_reward_needs_an_explicit_answer():
@@ -54,7 +63,7 @@ def test_training_reward_needs_an_explicit_answer():
              dict(prompt_index=0, policy_text="5 + 7 = 12\nAnswer: 12", action_mask=[1] * 8),
              dict(prompt_index=1, policy_text="she has 7 left", action_mask=[1] * 4),
              dict(prompt_index=1, policy_text=r"so \boxed{7}", action_mask=[1] * 4)]
-    got = train.score(trajs, records, SimpleNamespace(cut_at_answer=True, length_coef=0.0))
+    got = train.score(trajs, records, SimpleNamespace(cut_at_answer=True, length_coef=0.0, require_stop=False))
     assert [r["score"] for r in got] == [0.0, 1.0, 0.0, 1.0]
     assert [r["has_answer"] for r in got] == [0.0, 1.0, 0.0, 1.0]
     lenient = reward.score_batch([records[t["prompt_index"]]["data_source"] for t in trajs],
