@@ -52,8 +52,7 @@ print-demo-args:
 
 demo: $(STAMP)
 	$(PY) model.py prepare
-	rm -rf runs/demo
-	$(PY) train.py $(DEMO_ARGS)
+	$(PY) train.py $(DEMO_ARGS) --overwrite
 
 # MuTIS against single-turn baselines (bench/compare.py), all from the demo's settings plus validation
 # every 4 steps on 50 problems (the curves), then eval.py on every checkpoint side by side:

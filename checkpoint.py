@@ -5,7 +5,7 @@ loadable on another number of ranks.
     OUT/step_N/sharded/             each model's and optimiser's FSDP2 state (torch.distributed.checkpoint)
     OUT/step_N/rng_rankR.json       each rank's Python, NumPy and torch RNG states
     OUT/step_N/trainer_state.json   step, schedulers, KL controller, arguments (and a pending validation)
-    OUT/step_N/manifest.json        every file's size (and SHA-256 below 16 MiB), written last
+    OUT/step_N/manifest.json        every file's size and SHA-256 (hashed while written), written last
     OUT/latest -> step_N            the newest complete checkpoint
 
 Another world size: the sharded state is resharded by torch.distributed.checkpoint on load; trainer_state is
@@ -13,34 +13,46 @@ global; the RNG states are per rank, and rank r takes rank r's, or rank (r mod o
 had fewer ranks. No step depends on them (sampling seeds come from (seed, step, prompt, sample, turn), the update's
 shuffling from its own generator), so resuming on another world size changes only how rows are cut into
 micro-batches: the same run within float tolerance.
-No pickle runs code: torch.distributed.checkpoint reads its own `sharded/.metadata` with pickle (its
-FileSystemReader), so load_checkpoint first unpickles that file with an allow-list of the classes it holds
-(metadata_is_safe) and refuses anything else. Everything else is JSON or safetensors.
+No file of a checkpoint runs code when it is loaded: torch.distributed.checkpoint pickles two things, its
+`sharded/.metadata` and every non-tensor entry of the state (an optimiser's param_groups values), and reads both
+with plain pickle. load_checkpoint reads them itself: the metadata through an unpickler that admits exact (module,
+name) pairs of the classes torch writes there (_MetadataUnpickler), the entries under torch.load(weights_only=True)
+(_SafePlanner); anything else is refused in one line before it can run. Tensors torch reads with weights_only=True
+itself. Everything else is JSON or safetensors.
 """
 import hashlib
+import io
 import json
 import os
+import pathlib
 import pickle
 import random
 import shutil
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 import parallel
 from cli import die
 
 MANIFEST = "manifest.json"
-HASHED_BELOW = 16 * 2**20  # files hashed in the manifest (metadata, states, configs); larger ones by size only
 
 
-def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None, rng=None):
-    """OUT/step_N (the module docstring's layout). Written to step_N.tmp and renamed, then OUT/latest points at it:
-    latest always names a complete checkpoint. models: {"actor": (model, optimiser), "critic": ...}. rng: this
-    rank's RNG states to record (rng_states(); default: now). Every rank calls it."""
+def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None, rng=None, export=True):
+    """OUT/step_N (the module docstring's layout). Written to step_N.tmp, fsynced, renamed, then OUT/latest points at
+    it: latest always names a complete checkpoint that survives a crash of the node. models: {"actor": (model,
+    optimiser), "critic": ...}. rng: this rank's RNG states to record (rng_states(); default: now). export=False (a
+    preemption's checkpoint): no actor/ and critic/ export, only what --resume needs. keep_last: prune older
+    checkpoints of this run (trainer_state's run_id), never another run's. Every rank calls it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    import torch.distributed.checkpoint as dcp
 
     out, rank = Path(out), parallel._rank()
     final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
@@ -49,32 +61,139 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         tmp.mkdir(parents=True)
     parallel.barrier()
     try:
-        parallel.save_hf(models["actor"][0], tokenizer, tmp / "actor")
-        if "critic" in models:
-            parallel.save_critic(models["critic"][0], tmp / "critic")
+        if export:
+            parallel.save_hf(models["actor"][0], tokenizer, tmp / "actor")
+            if "critic" in models:
+                parallel.save_critic(models["critic"][0], tmp / "critic")
         sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
         # one file per writer thread: serialising and writing ~12 bytes per parameter is most of a preemption's grace
-        writer = dcp.FileSystemWriter(str(tmp / "sharded"), thread_count=min(8, torch.get_num_threads()))
+        writer = _HashingWriter(str(tmp / "sharded"), thread_count=min(8, torch.get_num_threads()))
         dcp.save(sharded, storage_writer=writer)
-        (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng or rng_states()))
+        digests = {str(Path(path).relative_to(tmp)): d for path, d in writer.fs.digests.items()}
+        digests[f"rng_rank{rank}.json"] = write_durable(tmp / f"rng_rank{rank}.json", json.dumps(rng or rng_states()))
+        write_durable(tmp / f"{MANIFEST}.rank{rank}", json.dumps(digests))
     except (OSError, RuntimeError):
         disk_full_error(out, step, tmp)
         raise
     parallel.barrier()
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=0))
-        shutil.rmtree(final, ignore_errors=True)  # a damaged one, written again (os.replace keeps no full directory)
+        write_durable(tmp / "trainer_state.json", json.dumps(dict(trainer_state, step=step), indent=1))
+        parts = sorted(tmp.glob(f"{MANIFEST}.rank*"))
+        files = {}
+        for part in parts:
+            files.update(json.loads(part.read_text()))
+            part.unlink()
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # the export, trainer_state, the metadata's
+            if str(path.relative_to(tmp)) not in files:                   # own entry is there: hashed while written
+                files[str(path.relative_to(tmp))] = file_digest(path, sync=True)
+        write_durable(tmp / MANIFEST, json.dumps(dict(sorted(files.items())), indent=0))
+        for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True) + [tmp]:
+            fsync_dir(d)  # the entries of every file: a crash after the rename finds them all
+        shutil.rmtree(final, ignore_errors=True)  # a damaged one of this run, written again
         os.replace(tmp, final)
         link = out / "latest.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, out / "latest")
+        fsync_dir(out)
         if keep_last:
             for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if run_of(old) == trainer_state.get("run_id"):
+                    shutil.rmtree(old, ignore_errors=True)
     parallel.barrier()
     return final
+
+
+def run_of(ckpt):
+    """The run_id a checkpoint's trainer_state records (None: none, or unreadable)."""
+    try:
+        return json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- durable files, hashed as written
+
+def write_durable(path, text):
+    """Write text to path and fsync it -> [size, sha256]."""
+    data = text.encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return [len(data), hashlib.sha256(data).hexdigest()]
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path, sync=False):
+    """[size, sha256] of a file read back (sync: fsync it first)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while block := f.read(1 << 22):
+            h.update(block)
+            size += len(block)
+    return [size, h.hexdigest()]
+
+
+class _HashingStream:
+    """A file being written that hashes every byte on its way (SHA-256, which releases the GIL: the writer threads
+    hash in parallel); only appends, as torch.distributed.checkpoint writes."""
+
+    def __init__(self, raw):
+        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+
+    def write(self, data):
+        self.sha.update(data)
+        n = self.raw.write(data)
+        self.size += n
+        return n
+
+    def seek(self, *args):
+        raise io.UnsupportedOperation("a hashed checkpoint file is written front to back")
+
+    def __getattr__(self, name):  # tell, flush, fileno, close
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """torch's local FileSystem, recording [size, sha256] of every file it writes (`digests`, by path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests, self._lock = {}, threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        with self._lock:
+            self.digests[str(path)] = [stream.size, stream.sha.hexdigest()]
+
+    def rename(self, path, new_path):
+        super().rename(path, new_path)
+        with self._lock:
+            self.digests[str(new_path)] = self.digests.pop(str(path))
+
+
+class _HashingWriter(dcp.FileSystemWriter):
+    """torch's FileSystemWriter (its files fsynced: sync_files) through _HashingFileSystem."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, sync_files=True, **kwargs)
+        self.fs = _HashingFileSystem()
 
 
 def disk_full_error(out, step, tmp, spare=64 * 2**20):
@@ -108,95 +227,153 @@ def set_rng_states(s):
 
 # ----------------------------------------------------------------------------- verification
 
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def manifest(ckpt):
-    """{relative path: [size, sha256 or None]} of every file of a checkpoint directory."""
+    """{relative path: [size, sha256]} of every file of a checkpoint directory, read back (what save_checkpoint records
+    while it writes them)."""
     files = sorted(p for p in Path(ckpt).rglob("*") if p.is_file() and p.name != MANIFEST)
-    return {str(p.relative_to(ckpt)): [p.stat().st_size, _sha256(p) if p.stat().st_size < HASHED_BELOW else None]
-            for p in files}
+    return {str(p.relative_to(ckpt)): file_digest(p) for p in files}
 
 
-def damage(ckpt):
-    """Why the checkpoint directory cannot be trusted (a file missing, truncated, changed; no manifest), or None."""
+def damage(ckpt, rank=0, world=1):
+    """Why the checkpoint directory cannot be trusted (no manifest, a file missing, truncated, changed), or None.
+    rank, world: verify every world-th file from the rank-th only (the ranks share the reading and hashing)."""
     ckpt = Path(ckpt)
     try:
         want = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError):
-        return f"no readable {MANIFEST} (incomplete, or written by an older version)"
-    for rel, (size, digest) in want.items():
+        return f"no readable {MANIFEST}"
+    for rel, (size, digest) in sorted(want.items())[rank::world]:
         path = ckpt / rel
         if not path.is_file():
             return f"{rel} is missing"
         if path.stat().st_size != size:
             return f"{rel} has {path.stat().st_size} bytes, {size} were written"
-        if digest is not None and _sha256(path) != digest:
+        if file_digest(path)[1] != digest:
             return f"{rel} changed since it was written"
     return None
 
 
 def find_resumable(out, log=print):
-    """The checkpoint --resume continues from: OUT/latest when it verifies, else the newest step_N that does (each
-    one skipped is one line through `log`); None when OUT has none at all. Checkpoints exist but none verifies:
-    one line, exit 2."""
-    out = Path(out)
-    latest = (out / "latest").resolve() if (out / "latest").exists() else None
-    candidates = sorted(out.glob("step_[0-9]*[0-9]"), reverse=True)
-    if latest is not None and latest in candidates:
-        candidates.remove(latest)
-        candidates.insert(0, latest)
-    if not candidates:
+    """The checkpoint --resume continues from: OUT/latest when it verifies, else the newest step_N that does (each one
+    skipped is one line through `log`); None when OUT has none at all. Every rank calls it: rank 0 lists OUT and every
+    rank gets its list (ranks whose filesystem caches differ still pick the same checkpoint), and the ranks share
+    verifying every byte of each candidate. A checkpoint written before manifests (no manifest.json, but its
+    trainer_state and metadata) is taken unverified, with a line saying so. None verifies: one line, exit 2, and
+    nothing is deleted."""
+    out, rank, world = Path(out), parallel._rank(), parallel._world()
+    names = None
+    if rank == 0:
+        latest = (out / "latest").resolve() if (out / "latest").exists() else None
+        candidates = sorted(out.glob("step_[0-9]*[0-9]"), reverse=True)
+        if latest is not None and latest in candidates:
+            candidates.remove(latest)
+            candidates.insert(0, latest)
+        names = [(c.name, "manifest" if (c / MANIFEST).exists() else
+                  "old" if (c / "trainer_state.json").exists() and (c / "sharded" / ".metadata").exists() else "none")
+                 for c in candidates]
+    names = parallel.broadcast_object(names)
+    if not names:
         return None
-    for ckpt in candidates:
-        why = damage(ckpt)
+    for name, kind in names:
+        ckpt, t0 = out / name, time.time()
+        if kind == "old":
+            log(f"[resume] {ckpt} has no {MANIFEST} (written before checkpoints had one): loading it unverified")
+            return ckpt
+        reasons = parallel.all_gather_object(damage(ckpt, rank, world) if kind == "manifest" else f"no {MANIFEST}")
+        why = next((r for r in reasons if r is not None), None)
         if why is None:
+            size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+            log(f"[resume] {ckpt}: every byte verified ({size / 2**30:.2f} GiB in {time.time() - t0:.1f}s)")
             return ckpt
         log(f"[resume] {ckpt} is damaged ({why}): trying an older checkpoint")
-    die(f"--resume: no complete checkpoint in {out} (every step_N failed its {MANIFEST} check); "
-        f"start again without --resume, or with another --out")
+    die(f"--resume: no complete checkpoint in {out} (every step_N failed its {MANIFEST} check); nothing was deleted: "
+        f"copy out what you need, or start afresh with another --out")
 
 
-class _AllowList(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint's metadata and nothing else: its dataclasses, torch.Size, dtypes and
-    layouts, paths."""
-    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-               ("collections", "OrderedDict")}
+class UnsafeCheckpoint(Exception):
+    """A checkpoint file holds more than torch.distributed.checkpoint writes: something that would run on loading."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint's `.metadata` and nothing else: exact (module, name) pairs, so that no
+    attribute path (pickle protocol 4 resolves `os.system` inside any module that imports os) and no other class or
+    function can be named. Paths come back as PurePosixPath, whichever module pickled them (Python 3.13 moved
+    PosixPath to pathlib._local)."""
+    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    PATHS = {(m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "PurePosixPath")}
 
     def find_class(self, module, name):
-        if (module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        if (module, name) in self.PATHS:
+            return pathlib.PurePosixPath
+        if (module, name) in self.ALLOWED or (
+                module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        raise UnsafeCheckpoint(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
-def metadata_is_safe(path):
-    """None when torch.distributed.checkpoint's pickled metadata file holds only what it writes, else why not."""
-    try:
-        with open(path, "rb") as f:
-            _AllowList(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        return str(e)
-    return None
+def read_metadata(sharded):
+    """torch.distributed.checkpoint's Metadata of the directory `sharded`, read by _MetadataUnpickler; UnsafeCheckpoint
+    when the file holds anything else."""
+    with open(Path(sharded) / ".metadata", "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+            raise UnsafeCheckpoint(f".metadata: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f".metadata holds a {type(metadata).__name__}, not a checkpoint's Metadata")
+    return metadata
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """torch's FileSystemReader, serving metadata that read_metadata has read instead of its own pickle.load."""
+
+    def __init__(self, path, metadata):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        self.metadata.storage_meta = self.metadata.storage_meta or StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """torch's DefaultLoadPlanner, except that a non-tensor entry (an optimiser's param_groups values: numbers,
+    booleans, tuples) must unpickle under torch.load(weights_only=True), which admits primitives and tensors and no
+    callable; torch's own planner reads these entries with weights_only=False, i.e. runs whatever they name."""
+
+    def load_bytes(self, read_item, value):
+        data = value.read()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            why = next((x for x in str(e).splitlines() if "GLOBAL" in x), "not primitives and tensors")
+            raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} is not plain data ({why.strip()})") from None
+        super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, shown to hold plain data only
 
 
 def load_checkpoint(path, models):
     """Restore what save_checkpoint wrote into the models and optimisers and this rank's RNGs, on any number of
     ranks (the module docstring) -> trainer_state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    if why := metadata_is_safe(path / "sharded" / ".metadata"):  # before torch's own pickle.load of it
-        die(f"--resume: {path}/sharded/.metadata is not a checkpoint's metadata ({why}); not loading it")
     sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
-    dcp.load(sharded, checkpoint_id=str(path / "sharded"))
+    try:
+        reader = _SafeReader(str(path / "sharded"), read_metadata(path / "sharded"))
+        dcp.load(sharded, storage_reader=reader, planner=_SafePlanner())
+    except UnsafeCheckpoint as e:
+        die(f"--resume: {path}/sharded: {e}; not loading it")
+    except dcp.api.CheckpointException as e:  # torch gathers each rank's exception (with its stack) into one
+        unsafe = [f for f in (x[0] if isinstance(x, tuple) else x for x in e.failures.values())
+                  if isinstance(f, UnsafeCheckpoint)]
+        if not unsafe:
+            raise
+        die(f"--resume: {path}/sharded: {unsafe[0]}; not loading it")
     for name, (m, o) in models.items():
         set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"])
     old_world = len(list(path.glob("rng_rank*.json")))

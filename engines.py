@@ -70,9 +70,9 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
-def _context_length(model_path):
+def context_length(model_path):
     """The model's own context length (what vLLM uses when max_model_len is None), from the first of the config
-    keys vLLM also reads (a multimodal config's text part first)."""
+    keys vLLM also reads (a multimodal config's text part first): the one helper for the engines and eval.py."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -106,7 +106,7 @@ class VLLMEngine:
             # Generator does not use offset" (vLLM 0.32). Whole prefills only; a step must then
             # hold the longest one (vLLM refuses a token budget below max_model_len).
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(4096, max_model_len or _context_length(model_path))
+            kwargs["max_num_batched_tokens"] = max(4096, max_model_len or context_length(model_path))
         else:
             kwargs["enable_sleep_mode"] = True  # weights dropped / KV cache freed while the trainer runs
             self.utilization = gpu_memory_utilization
@@ -148,21 +148,23 @@ class VLLMEngine:
         self.calls = 0  # request ids: f'{call}-{i}'
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
-                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None):
+                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None, poll=None):
         """prompt_token_ids: list of M id lists; max_tokens, seed: one value or one per prompt.
         Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
         i.e. what a trainer computes with the same temperature (logprobs=False: not computed, None).
         on_finish(i, completion): called as request i finishes (progress, eval.py's journal).
+        poll(): called after every engine step; whatever it raises (faults.Stopped on a SIGTERM) stops the call there,
+        the unfinished requests aborted, the scheduler whole.
         max_in_flight: at most this many requests in the engine, the next added as one finishes (None: all at
         once; vLLM's scheduler then runs up to its max_num_seqs and queues the rest). Wakes the KV cache of a
         sleeping engine: it is mapped only while generating (the caller sleeps it again: train.py after
         rollouts and validation)."""
         self.wake_up()
         return self._generate(prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout,
-                              logprobs, on_finish, max_in_flight)
+                              logprobs, on_finish, max_in_flight, poll)
 
     def _generate(self, prompt_token_ids, max_tokens, temperature, top_p, seed, stop, eos_ids, timeout,
-                  logprobs=True, on_finish=None, max_in_flight=None):
+                  logprobs=True, on_finish=None, max_in_flight=None, poll=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -207,6 +209,8 @@ class VLLMEngine:
                             on_finish(int(out.request_id.rsplit("-", 1)[1]), done[out.request_id])
                         add(1 if max_in_flight else 0)
                 _check_deadline(deadline, timeout, len(done), m)
+                if poll is not None:
+                    poll()
         except BaseException:
             engine.abort_request([r for r in req_ids[:added] if r not in done])
             raise
@@ -312,12 +316,12 @@ class HFEngine:
         self.model = load_causal_lm(model_path, dtype=self.dtype,
                                     attn_implementation=attn_implementation).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
-        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.max_model_len = max_model_len or context_length(model_path)
         self.seed = seed
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
-                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None):
+                 eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None, poll=None):
         """VLLMEngine.generate's interface. max_in_flight: rows per padded batch (None: the whole call, whose KV
         cache is rows x longest); log-probs are always computed (they come with the sampling here)."""
         from transformers import DynamicCache
@@ -329,7 +333,8 @@ class HFEngine:
                 part = slice(s, s + max_in_flight)
                 left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
                 out += self.generate(prompt_token_ids[part], limits[part], temperature, top_p, seeds[part], stop,
-                                     eos_ids, left, on_finish=on_finish and (lambda i, c, s=s: on_finish(s + i, c)))
+                                     eos_ids, left, on_finish=on_finish and (lambda i, c, s=s: on_finish(s + i, c)),
+                                     poll=poll)
             return out
         eos = {self.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
         rows = [list(p) for p in prompt_token_ids]
@@ -353,6 +358,8 @@ class HFEngine:
         deadline = _deadline(timeout)
         while any(active):
             _check_deadline(deadline, timeout, B - sum(active), B)
+            if poll is not None:
+                poll()
             logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)  # [B, V]
             if temperature > 0 and top_p < 1.0:  # nucleus: keep the smallest set with mass >= top_p, renormalise
                 sp, si = logp.sort(-1, descending=True)

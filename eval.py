@@ -304,6 +304,9 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
     p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP); a rerun with the same "
                                                "arguments and --out continues a stopped evaluation")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="vLLM's batch-invariant kernels (CUDA; slower): a sample does not depend on which requests share "
+                        "its batch, so N ranks write what one process writes in any dtype")
     p.add_argument("--protocol", choices=PROTOCOLS, default="greedy",
                    help="greedy: one greedy sample per problem (the paper's); sampled: temperature 0.6, top-p 0.95, "
                         "mean accuracy over 16 samples per problem (the efficient-reasoning tables); --temperature, "
@@ -362,6 +365,39 @@ def engine_key(path, kind, prompts, eos_ids):
     return hashlib.sha1(json.dumps([config, prompts, sorted(eos_ids)], sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_batch_invariance(args, world, say):
+    """--batch-invariant: vLLM's mode (VLLM_BATCH_INVARIANT, read when vLLM loads) where it has one: CUDA; elsewhere one
+    line. Without it, several ranks in a reduced dtype say what they promise: a rank batches its own shard, and
+    bf16 or fp16 arithmetic may break a near-tie between two tokens otherwise than one process would."""
+    import torch
+
+    if args.batch_invariant:
+        if args.engine != "vllm" or not torch.cuda.is_available():
+            die("--batch-invariant: vLLM has batch-invariant kernels on CUDA GPUs only (not on CPU, nor --engine hf); "
+                "float32 gives the same samples on any number of ranks")
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    elif world > 1 and args.engine_dtype != "float32":
+        say(f"note: {world} ranks in {args.engine_dtype}: each rank batches its own shard, and a near-tie between two "
+            f"tokens can break otherwise than in one process (--batch-invariant on CUDA, or --engine-dtype float32, "
+            f"makes the samples identical)")
+
+
+def weights_fingerprint(path, kind):
+    """What a checkpoint's generations depend on, by content (a checkpoint retrained into the same path is another
+    one): the SHA-256 of its weight files, from its training checkpoint's manifest where it has one (hashed as it was
+    written), else read now; a hub id by name."""
+    import checkpoint
+
+    if kind == "hub":
+        return path
+    files = sorted(p.name for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin"))
+    manifest = Path(path).parent / checkpoint.MANIFEST
+    known = json.loads(manifest.read_text()) if kind == "checkpoint" and manifest.exists() else {}
+    digests = [d if (d := known.get(f"{Path(path).name}/{f}")) and d[1] else checkpoint.file_digest(Path(path) / f)
+               for f in files]
+    return hashlib.sha256(json.dumps(list(zip(files, digests))).encode()).hexdigest()
+
+
 def checkpoint_tensors(path):
     """(name, tensor) pairs of a Hugging Face directory's safetensors files, one tensor at a time (sync_weights)."""
     from safetensors import safe_open
@@ -418,8 +454,14 @@ def main(argv=None):
             records += [{**r, "_benchmark": b} for r in data.load_dataset(b, args.system_prompt, args.limit)]
         except (data.DataError, OSError) as e:
             die(f"--benchmarks {b}: {e}")
-    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world > 1:  # before --out's default: rank 0's clock names it for every rank
+        from parallel import init_distributed
+
+        init_distributed()
+    from parallel import broadcast_object
+
+    out = Path(args.out or broadcast_object(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     master = rank == 0
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if master else (lambda line: None)
     if args.temperature == 0 and args.samples_per_prompt > 1:
@@ -433,8 +475,7 @@ def main(argv=None):
     for name, path in paths.items():
         tokenizer = load_tokenizer(path)
         prompts = tokenize(tokenizer, records, args)
-        window = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)  # a directory or hub id
-        prepared[name] = tokenizer, prompts, max(len(p) for p in prompts), window
+        prepared[name] = tokenizer, prompts, max(len(p) for p in prompts), engines.context_length(path)
     gen_tokens = context_cap(args, prepared, say)
     groups = defaultdict(list)  # engine key -> checkpoints sharing that engine, in argument order
     for name, path in paths.items():
@@ -448,14 +489,13 @@ def main(argv=None):
         die(f"under torchrun every checkpoint must share one engine (one architecture and tokenizer); "
             f"{len(groups)} kinds given: evaluate them in separate calls")
     args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    check_batch_invariance(args, world, say)
+    weights = broadcast_object({name: weights_fingerprint(path, kinds[name]) for name, path in paths.items()}
+                               if master else None)  # rank 0 reads the files once
     journals = {name: Journal(out / "journal", name, rank, {  # dies here if --out holds other settings' generations
-        "model": str(Path(path).resolve()) if kinds[name] != "hub" else path, "engine": args.engine,
+        "weights": weights[name], "engine": args.engine,
         "engine_dtype": args.engine_dtype, "temperature": args.temperature, "top_p": args.top_p, "stop": args.stop,
         "eos_ids": sorted(end_of_turn_ids(path, prepared[name][0]))}) for name, path in paths.items()}
-    if world > 1:
-        from parallel import init_distributed
-
-        init_distributed()
     say(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why}); {len(records)} problems x "
         f"{args.samples_per_prompt} sample(s), {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
     import rollout

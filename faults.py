@@ -7,15 +7,16 @@ by every survivor (one line, exit 1: torchrun can restart the group), and every 
 SIGTERM at the same point:
   - before the update has changed the weights (rollout, scoring, the no-grad passes, the update's first
     micro-batches): the step is abandoned (StepAbandoned) and train.py checkpoints the state it started from;
-    the rollout and validation are cut at once (their engine calls make no collectives), the no-grad passes and
-    the update agree between micro-batches (Guard.check);
+    the rollout and validation stop at the engine's next step (Guard.poll: their engine calls make no
+    collectives, and validation gathers its numbers only past the boundary), the no-grad passes and the update
+    agree between micro-batches (Guard.check);
   - once an optimiser step has changed them: the step's update finishes (the safe point: its remaining
     mini-batches) and train.py checkpoints the step, its validation left pending for the resumed run.
-A watchdog thread sees the signal even while the main thread waits inside a collective (a dead peer under NCCL):
-when no checkpoint is being written --shutdown-grace seconds later, it exits with 143 instead of waiting for the
-SIGKILL.
+The signal handler only sets a flag: nothing is raised inside an engine's scheduler or a `finally`; the code polls
+the flag where stopping is safe. A watchdog thread sees the signal even while the main thread waits inside a
+collective (a dead peer under NCCL): when no checkpoint is being written --shutdown-grace seconds later, it exits
+with 143 instead of waiting for the SIGKILL.
 """
-import datetime
 import os
 import signal
 import sys
@@ -33,9 +34,9 @@ class StepAbandoned(Exception):
     """Every rank agreed to stop before this step changed the weights: checkpoint the state the step started from."""
 
 
-class _Interrupted(BaseException):
-    """Raised by the SIGTERM handler inside an interruptible phase (a BaseException: no `except Exception` in the
-    engines swallows it)."""
+class Stopped(Exception):
+    """Raised by Guard.poll inside an interruptible phase once a SIGTERM has arrived (the engines abort their
+    unfinished requests and pass it on)."""
 
 
 class Guard:
@@ -58,12 +59,14 @@ class Guard:
 
     # ---- the signal
 
-    def _on_signal(self, signum, frame):
-        self.signalled.set()
+    def _on_signal(self, signum, frame):  # a flag and a clock only: the loops poll the flag where stopping is safe
         self.t_signal = getattr(self, "t_signal", time.monotonic())
-        if self._interruptible:
-            self._interruptible = False
-            raise _Interrupted
+        self.signalled.set()
+
+    def poll(self):
+        """Between engine steps of an interruptible phase: raise Stopped once a SIGTERM has arrived."""
+        if self._interruptible and self.signalled.is_set():
+            raise Stopped
 
     def _watchdog(self, fd):
         while (byte := os.read(fd, 1)) != bytes([signal.SIGTERM]):
@@ -85,16 +88,18 @@ class Guard:
 
     def run(self, name, fn, interruptible=False, commits=False, decides=True):
         """fn() as one phase of the step, ended by a boundary every rank passes together (see the module docstring)
-        -> fn's result, or None when a SIGTERM cut an interruptible phase short after the weights changed (before,
-        the boundary raises StepAbandoned). commits: the step cannot be abandoned once fn is done (the update: its
-        optimiser and LR steps). decides=False: the boundary waits for every rank, nothing more (the checkpoint).
-        A collective failing inside (a timeout, a dead peer) is one line naming the step and the phase, exit 1."""
+        -> fn's result, or None when a SIGTERM cut an interruptible phase short on this rank (fn polls: Guard.poll;
+        it makes no collective, so ranks may leave it at different points); then the boundary raises StepAbandoned
+        before the weights changed, and sets `stopping` after. commits: the step cannot be abandoned once fn is
+        done (the update: its optimiser and LR steps). decides=False: the boundary waits for every rank, nothing
+        more (the checkpoint). A collective failing inside (a timeout, a dead peer) is one line naming the step and
+        the phase, exit 1."""
         self.where, result = name, None
         try:
             if not (interruptible and self.signalled.is_set()):
                 self._interruptible = interruptible
                 result = fn()
-        except _Interrupted:
+        except Stopped:
             result = None
         except dist.DistError as e:
             self._die(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
@@ -129,16 +134,16 @@ class Guard:
         self._seq += 1
         key = lambda r, seq=self._seq: f"{ARRIVE}/{seq}/{r}"  # noqa: E731
         self._store.set(key(self.rank), "1" if self.signalled.is_set() else "0")
-        deadline = time.monotonic() + self.timeout
-        while True:  # short waits: the main thread gets back to Python for the signal handler between them
-            try:
-                self._store.wait([key(r) for r in range(self.world)], datetime.timedelta(seconds=1))
-                break
-            except (dist.DistError, RuntimeError):
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(self.world) if not self._store.check([key(r)])]
-                    self._die(f"rank(s) {', '.join(map(str, missing))} did not arrive within --dist-timeout "
-                              f"({self.timeout:g}s)")
+        deadline, pause = time.monotonic() + self.timeout, 0.01
+        # polled, not a blocking wait: the main thread stays in Python (the signal handler runs), and the store logs
+        # no warning per timed-out wait
+        while not self._store.check([key(r) for r in range(self.world)]):
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world) if not self._store.check([key(r)])]
+                self._die(f"rank(s) {', '.join(map(str, missing))} did not arrive within --dist-timeout "
+                          f"({self.timeout:g}s)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
         flags = self._store.multi_get([key(r) for r in range(self.world)])
         if self._seq > 1:  # every rank has passed the previous boundary: its key is no longer waited for
             self._store.delete_key(f"{ARRIVE}/{self._seq - 1}/{self.rank}")

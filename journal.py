@@ -6,10 +6,12 @@ OUT/journal/<checkpoint>.settings.json  what the completions depend on beyond th
 OUT/journal/<checkpoint>.rank<R>.jsonl  one JSON line per finished request, appended and fsync'ed by rank R:
                                         {"key": sha1 of (input ids, max_tokens, seed), "ids": [...], "stopped": b}
 
-A request is identified by what it sends the engine, not by its place in a batch: every rank reads every rank's
+A request is identified by what it sends the engine, not by its place in a batch: every rank indexes every rank's
 lines on a rerun, so the number of ranks may change, and a multi-turn trajectory replays its finished turns and
-asks the engine only for the rest. A SIGKILL can leave half a line at the end of a file: it is ignored (and cut
-off before rank R appends to its own file again), so that request is generated again, never duplicated.
+asks the engine only for the rest. The index holds each line's place, not its tokens (about 150 bytes a request
+whatever its length); a rank reads the lines of its own requests when it replays them. A SIGKILL can leave half a
+line at the end of a file: it is ignored (and cut off before rank R appends to its own file again), so that
+request is generated again, never duplicated.
 """
 import hashlib
 import json
@@ -33,11 +35,11 @@ def request_key(ids, max_tokens, seed):
 
 
 class Journal:
-    """The finished requests of one checkpoint: `done` (key -> Completion) from every rank's file, and `record`
-    appending this rank's new ones."""
+    """The finished requests of one checkpoint: `done` (key -> where its line is) from every rank's file, `get` reading
+    one back, and `record` appending this rank's new ones."""
 
     def __init__(self, directory, name, rank, settings, flag="--out"):
-        self.done, self.file = {}, None
+        self.done, self.file, self.memory = {}, None, {}
         if directory is None:  # in memory only (tests, benchmarks)
             return
         self.dir = Path(directory)
@@ -51,25 +53,37 @@ class Journal:
             die(f"{flag} {self.dir.parent}: holds generations of {name} under other settings ({', '.join(diff)}); "
                 f"use another {flag} or delete {self.dir}")
         write_atomic(meta, text)  # every rank writes the same text
-        for f in sorted(self.dir.glob(f"{self.stem}.rank*.jsonl")):
-            self.done.update(self._read(f))
         self.path = self.dir / f"{self.stem}.rank{rank}.jsonl"
         self._cut_torn_tail()
-        self.file = open(self.path, "a", encoding="utf-8")
+        for f in sorted(self.dir.glob(f"{self.stem}.rank*.jsonl")):
+            self._index(f)
+        self.file = open(self.path, "ab")
 
-    @staticmethod
-    def _read(path):
-        out = {}
-        with open(path, encoding="utf-8", errors="replace") as f:
+    def _index(self, path):
+        """key -> (file, offset) of each whole line: a line starts with its key ({"key": "<40 hex digits>", ...)."""
+        offset = 0
+        with open(path, "rb") as f:
             for line in f:
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     break  # the half line a kill left
-                try:
-                    rec = json.loads(line)
-                    out[rec["key"]] = Completion(rec["ids"], [math.nan] * len(rec["ids"]), rec["stopped"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-        return out
+                if line.startswith(b'{"key": "') and len(line) > 50:
+                    self.done[line[9:49].decode("ascii", "replace")] = (path, offset)
+                offset += len(line)
+
+    def get(self, key):
+        """The Completion of a finished request, or None (unknown, or its line does not parse: generate it again)."""
+        if key in self.memory:
+            return self.memory[key]
+        if key not in self.done:
+            return None
+        path, offset = self.done[key]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            try:
+                rec = json.loads(f.readline())
+                return Completion(rec["ids"], [math.nan] * len(rec["ids"]), rec["stopped"])
+            except (ValueError, KeyError, TypeError):
+                return None
 
     def _cut_torn_tail(self):
         if not self.path.exists():
@@ -81,14 +95,17 @@ class Journal:
                 f.truncate(keep)
 
     def record(self, key, completion):
-        """Append one finished request and make it durable before going on."""
-        if self.file is not None:
-            self.file.write(json.dumps({"key": key, "ids": list(completion.token_ids),
-                                        "stopped": bool(completion.stopped)}) + "\n")
-            self.file.flush()
-            os.fsync(self.file.fileno())
-        self.done[key] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
-                                    completion.stopped)
+        """Append one finished request and make it durable before going on (in memory only: keep it)."""
+        if self.file is None:
+            self.memory[key] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
+                                          completion.stopped)
+            return
+        offset = self.file.tell()
+        self.file.write((json.dumps({"key": key, "ids": list(completion.token_ids),
+                                     "stopped": bool(completion.stopped)}) + "\n").encode())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.done[key] = (self.path, offset)
 
     def close(self):
         if self.file is not None:
@@ -106,21 +123,25 @@ class Journaled:
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(), eos_ids=None,
-                 timeout=None):
+                 timeout=None, poll=None):
         m = len(prompt_token_ids)
         limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * m
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * m
         keys = [request_key(p, n, s) for p, n, s in zip(prompt_token_ids, limits, seeds)]
-        todo = [i for i, k in enumerate(keys) if k not in self.journal.done]
+        got = {k: c for k in set(keys) if (c := self.journal.get(k)) is not None}  # replayed from the journal
+        todo = [i for i, k in enumerate(keys) if k not in got]
         self.on_call(m)
         self.on_request(m - len(todo))
 
         def finished(j, completion):
             self.journal.record(keys[todo[j]], completion)
+            got[keys[todo[j]]] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
+                                            completion.stopped)
             self.on_request(1)
 
         if todo:
             self.engine.generate([prompt_token_ids[i] for i in todo], [limits[i] for i in todo], temperature=temperature,
                                  top_p=top_p, seed=[seeds[i] for i in todo], stop=stop, eos_ids=eos_ids,
-                                 timeout=timeout, logprobs=False, on_finish=finished, max_in_flight=self.max_in_flight)
-        return [self.journal.done[k] for k in keys]
+                                 timeout=timeout, logprobs=False, on_finish=finished, max_in_flight=self.max_in_flight,
+                                 poll=poll)
+        return [got[k] for k in keys]

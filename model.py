@@ -103,6 +103,9 @@ def check_model(name_or_path, flag="--model"):
         return "checkpoint", str(path / "actor")
     if (path / "config.json").exists():
         return "directory", str(path)
+    if (path / "trainer_state.json").exists() and (path / "sharded").is_dir():  # train.py's, after a SIGTERM
+        die(f"{flag} {name_or_path}: a checkpoint written for --resume only (a SIGTERM stopped its run), without the "
+            f"actor/ export: resume the run (its next checkpoint exports), or give an earlier step_N")
     # org/name with no local org/ directory: a mistyped path under an existing folder (runs/x) still dies here
     if not path.exists() and not path.parent.exists() and HUB_ID.fullmatch(name_or_path):
         return "hub", name_or_path
@@ -117,13 +120,14 @@ def resolve_model(name_or_path, flag="--model"):
     return prepare_smollm2(MODELS_DIR / ALIASES[path]) if kind == "alias" else path
 
 
-def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256):
-    """A small random Llama (head_dim 32: vLLM's CPU attention rejects 16) with SmolLM2's tokenizer."""
+def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=None):
+    """A random Llama (default: small, head_dim 32: vLLM's CPU attention rejects 16) with SmolLM2's tokenizer; vocab:
+    rows of the embedding (default the tokenizer's; more: a larger model's shape, the extra rows never sampled)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+        vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=2048, tie_word_embeddings=True, dtype="float32",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

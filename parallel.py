@@ -12,6 +12,7 @@ import math
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -52,15 +53,52 @@ def attempt_store(world, timeout=None):
     """The rendezvous store of this attempt of the group, or None (init_process_group's env:// store). torchrun's
     agent hosts one TCPStore for all restarts of a group (TORCHELASTIC_USE_AGENT_STORE) and hands it to the workers
     without a per-attempt prefix, so a restarted group's ranks could read the dead attempt's keys (gloo's peer
-    addresses, NCCL's unique id) and connect to dead peers: each attempt's keys go under their own prefix."""
+    addresses, NCCL's unique id) and connect to dead peers: each attempt's keys go under their own prefix, the
+    attempt's number agreed through the store itself (agree_on_attempt). TORCHELASTIC_RESTART_COUNT cannot be it:
+    each node's agent counts its own restarts, and an agent whose workers hung rather than failed (NCCL peers of a
+    dead rank usually do) restarts them through its membership-change path, which does not count."""
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None  # rank 0 hosts a fresh store (env://), or another launcher's own
+    timeout = timeout or default_pg_timeout
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout or default_pg_timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+                          timeout=timeout)
+    attempt = agree_on_attempt(store, int(os.environ["RANK"]), world, timeout.total_seconds())
+    return dist.PrefixStore(f"attempt_{attempt}", store)
+
+
+def agree_on_attempt(store, rank, world, timeout):
+    """A number that every worker of this attempt of the group gets, and no worker of an earlier attempt got; `store`
+    outlives attempts, and every worker of an earlier attempt is dead when this one's start (torchrun stops them all
+    before the next rendezvous). Rank 0 draws the next number from a counter and posts it; every other rank answers
+    the number it read with a nonce of its own, and takes it once rank 0 has listed that nonce: a number left over
+    from an earlier attempt is never confirmed with this attempt's nonces, so that rank reads again."""
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        attempt = store.add("mutis/attempts", 1)
+        store.set("mutis/attempt", str(attempt))
+        acks = [f"mutis/attempt_{attempt}/ack/{r}" for r in range(1, world)]
+        while not store.check(acks):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(acks, 1) if not store.check([k])]
+                raise TimeoutError(f"rank(s) {missing} did not join attempt {attempt} of the group")
+            time.sleep(0.01)
+        store.set(f"mutis/attempt_{attempt}/go", json.dumps(sorted(store.get(k).decode() for k in acks)))
+        return attempt
+    nonce, answered = f"{rank}-{os.getpid()}-{random.getrandbits(64):016x}", None
+    while time.monotonic() < deadline:
+        if store.check(["mutis/attempt"]):
+            attempt = int(store.get("mutis/attempt"))
+            if attempt != answered:
+                store.set(f"mutis/attempt_{attempt}/ack/{rank}", nonce)
+                answered = attempt
+            go = f"mutis/attempt_{attempt}/go"
+            if store.check([go]) and nonce in json.loads(store.get(go)):
+                return attempt
+        time.sleep(0.01)
+    raise TimeoutError("rank 0 did not start this attempt of the group")
 
 
 def close_distributed():
@@ -78,6 +116,28 @@ def close_distributed():
 
 def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_object(obj, src=0):
+    """Rank src's obj on every rank (small JSON-like values: a decision, a list of names)."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj):
+    """[every rank's obj] on every rank, in rank order (small JSON-like values)."""
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):

@@ -155,13 +155,14 @@ class Rollout(list):
 
 def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_tokens=None, temperature=1.0,
            top_p=1.0, seed=0, stop=(), turn_rule="reference", cut_at_answer=True, intervention_ids, eos_ids=None,
-           timeout=None, prompt_indices=None, desc=None):
+           timeout=None, prompt_indices=None, desc=None, poll=None):
     """Multi-turn intervention sampling. prompt_ids: list of id lists; prompt_indices: their global indices
     (for shards; default 0..len-1) -- seeds and `prompt_index` use them, so a shard reproduces its part of
     a single-engine run. Each turn sends every still-active sample in one engine call (prompt + response so
     far; the prefix cache spares recomputing earlier turns); `wants_intervention` decides what follows a
     turn, `answer_prefix` where it is cut. eos_ids: every end-of-turn id (all of them end a turn).
-    desc: label of a transient progress bar over finished trajectories (None: no bar).
+    desc: label of a transient progress bar over finished trajectories (None: no bar). poll: the engine calls it
+    after every step, and whatever it raises stops the rollout there (train.py: a SIGTERM, faults.Guard.poll).
 
     Each trajectory: response_ids (kept policy tokens and interventions interleaved), action_mask (1 on the
     policy's tokens), rollout_logprobs, turns, interventions, answered (ended on an explicit answer),
@@ -212,7 +213,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
         seeds = [sample_seed(seed, t["prompt_index"], t["sample_index"], turn) for t in active]
         outs = engine.generate([t["prompt_ids"] + t["response_ids"] for t in active], budgets,
                                temperature=temperature, top_p=top_p, seed=seeds, stop=stop,
-                               eos_ids=sorted(eos), timeout=timeout)
+                               eos_ids=sorted(eos), timeout=timeout, poll=poll)
         calls += 1
         still = []
         for t, c, budget in zip(active, outs, budgets):

@@ -36,7 +36,7 @@ import faults
 import ppo
 import reward
 import rollout
-from checkpoint import damage, rng_states, save_checkpoint
+from checkpoint import rng_states, save_checkpoint
 from cli import ArgumentParser, deprecated, die, positive_int
 from model import token_logprobs
 from logs import format_line, format_tokens, make_logger, report, step_metrics, timed
@@ -114,6 +114,8 @@ def parse_args(argv=None):
     a("--val-before-train", action=argparse.BooleanOptionalAction, default=False,
       help="validate before the first step")
     a("--resume", action="store_true", help="continue from OUT/latest")
+    a("--overwrite", action="store_true", help="start afresh in an --out that holds an earlier run, replacing its "
+                                               "checkpoints and metrics (without it such an --out is refused)")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
     a("--compile", action="store_true",
       help="torch.compile the decoder layers and the log-prob head: fused norms, rotary, SwiGLU and log-softmax "
@@ -173,9 +175,9 @@ def main(argv=None):
     log = functools.partial(log_step, run, logger)
     val_history = logged_validations(run) if state else []
     if state and state.get("pending"):  # stopped by a SIGTERM after its update, before its validation
-        log({**state["pending"], **validate(run, args)}, val_history)
+        log({**state["pending"], **validation_metrics(run, validate(run, args))}, val_history)
     if args.val_before_train and run.val_records and state is None:
-        log({"step": 0, **validate(run, args)}, val_history)
+        log({"step": 0, **validation_metrics(run, validate(run, args))}, val_history)
 
     bad_steps, last_save = 0, time.time()
     for step in range((state or {}).get("step", 0) + 1, run.total_steps + 1):
@@ -186,8 +188,8 @@ def main(argv=None):
         try:
             # ---- 1. rollout: this rank's share of the global batch, multi-turn with interventions
             with timed(timer, "rollout"):
-                trajs = guard.run("rollout", lambda: sample_batch(run, args, step, desc=bar("rollout")),
-                                  interruptible=True)  # a SIGTERM cuts it short: no collective inside
+                trajs = guard.run("rollout", lambda: sample_batch(run, args, step, desc=bar("rollout"), poll=guard.poll),
+                                  interruptible=True)  # a SIGTERM stops it at the engine's next step
                 run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
                 batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
 
@@ -236,9 +238,12 @@ def main(argv=None):
         # ---- 8. validate (a SIGTERM leaves it to the resumed run: the step's line waits in the checkpoint)
         pending = None
         if args.val_freq and run.val_records and (step % args.val_freq == 0 or step == run.total_steps):
-            m = None if guard.stopping else guard.run("validate", lambda: validate(run, args), interruptible=True)
-            pending = metrics if m is None else None
-            metrics.update(m or {})
+            sums = None if guard.stopping else guard.run("validate", lambda: validate(run, args, guard.poll),
+                                                         interruptible=True)
+            if guard.stopping:  # every rank agreed at the boundary: the sums of ranks that finished are dropped too
+                pending = metrics
+            else:
+                metrics.update(validation_metrics(run, sums))
         if pending is None:
             log(metrics, val_history)
         if bad_steps >= args.max_bad_steps:
@@ -249,11 +254,13 @@ def main(argv=None):
         due_by_time = bool(args.save_minutes) and all_reduce_sum(
             [float(time.time() - last_save >= 60 * args.save_minutes)], run.device)[0] > 0
         if (args.save_freq and step % args.save_freq == 0) or step == run.total_steps or guard.stopping or due_by_time:
-            save(run, args, step, guard, pending=pending)
+            save(run, args, step, guard, pending=pending, export=not guard.stopping)
             last_save = time.time()
         if guard.stopping:
             guard.exit_preempted(step, run.master)
 
+    if not run.exported:  # resumed from a SIGTERM's checkpoint of the last step: its export, now
+        save(run, args, run.on_disk, guard)
     if run.master:
         report(val_history, run.out)
     barrier()  # no rank tears the process group down while rank 0 still writes the report
@@ -277,38 +284,41 @@ def log_step(run, logger, metrics, val_history):
               f"turns {metrics['val/turns']:.2f}  ({metrics['time/validate']:.1f}s)", flush=True)
 
 
-def save(run, args, step, guard, rng=None, pending=None):
+def save(run, args, step, guard, rng=None, pending=None, export=True):
     """Checkpoint `step` (the watchdog lets a started write finish); pending: the step's metrics line, held back
-    until the resumed run has validated."""
+    until the resumed run has validated. export=False when every rank agreed to stop on a SIGTERM: only what --resume
+    needs (no HF export: at 7B that is a full gather and ~14 GB from rank 0 inside the grace); the next regular
+    checkpoint exports again."""
     t0 = time.time()
     with guard.writing_checkpoint():
         guard.run("checkpoint", lambda: save_checkpoint(run.out, step, models_and_optimisers(run), run.tokenizer,
-                                                         trainer_state(args, run, step, pending), args.keep_last, rng),
-                  decides=False)
+                                                         trainer_state(args, run, step, pending, export),
+                                                         args.keep_last, rng, export=export), decides=False)
+    run.on_disk, run.exported = step, export
     if run.master:
-        print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s)", flush=True)
+        print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s"
+              + ("" if export else "; for --resume only: no actor/ export") + ")", flush=True)
 
 
 def save_or_keep(run, args, step, guard, rng):
-    """The abandoned step's predecessor `step` as a checkpoint: already on disk and complete (--save-freq), else
-    written now. Step 0 needs none: the resumed run starts afresh, as this one did."""
+    """The abandoned step's predecessor `step` as a checkpoint: already on disk (this run wrote it, or resumed from
+    it), else written now. Step 0 needs none: the resumed run starts afresh, as this one did."""
     for _, opt in models_and_optimisers(run).values():  # the abandoned micro-batches' gradients: not state
         opt.zero_grad(set_to_none=True)
-    ckpt = run.out / f"step_{step:06d}"
-    if step and not (ckpt.exists() and (run.out / "latest").resolve() == ckpt.resolve() and damage(ckpt) is None):
-        save(run, args, step, guard, rng)
+    if step and run.on_disk != step:
+        save(run, args, step, guard, rng, export=False)
 
 
 # ----------------------------------------------------------------------------- the method, step by step
 
-def sample_batch(run, args, step, desc=None):
+def sample_batch(run, args, step, desc=None, poll=None):
     """This rank's shard of step `step`'s prompts (every rank sees the same order), n samples each. Seeds
-    depend on (seed, step, prompt, sample, turn) only: any world size samples the same batch."""
+    depend on (seed, step, prompt, sample, turn) only: any world size samples the same batch. poll: rollout.sample's."""
     epoch, pos = divmod(step - 1, run.steps_per_epoch)
     order = np.random.default_rng(args.seed + epoch).permutation(len(run.train_records))
     global_idx = order[pos * args.batch_size:(pos + 1) * args.batch_size]
     idx = [int(global_idx[i]) for i in rollout.shard_indices(len(global_idx), run.rank, run.world)]
-    return rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx, desc=desc,
+    return rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx, desc=desc, poll=poll,
                           **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, seed=args.seed * 1_000_003 + step))
 
 
@@ -499,19 +509,26 @@ def accumulate_and_step(model, opt, loss_fn, batch, micro, tokens, args, autocas
     return stats, True
 
 
-def validate(run, args):
-    """Greedy multi-turn on this rank's shard of the validation set; metrics over every rank's samples."""
+def validate(run, args, poll=None):
+    """Greedy multi-turn on this rank's shard of the validation set -> this rank's sums (validation_metrics gathers
+    them: no collective here, so a SIGTERM can stop one rank's shard early, poll, while the others wait at the
+    phase's boundary)."""
     t0 = time.time()
     idx = rollout.shard_indices(len(run.val_prompts), run.rank, run.world)
     ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx,
-                        desc="validate" if run.master else None,
+                        desc="validate" if run.master else None, poll=poll,
                         **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, n=1, temperature=0.0))
     run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
-    t = all_reduce_dict({"acc": sum(r["acc"] for r in results), **rollout.trajectory_sums(ro), "count": len(results)},
-                        run.device)
+    return {"acc": sum(r["acc"] for r in results), **rollout.trajectory_sums(ro), "count": len(results),
+            "seconds": time.time() - t0}
+
+
+def validation_metrics(run, sums):
+    """Every rank's validation sums -> the val/ metrics (a collective: every rank calls it)."""
+    t = all_reduce_dict(sums, run.device)
     return {"val/acc": t["acc"] / t["count"], **{f"val/{k}": t[k] / t["count"] for k in rollout.TRAJECTORY_KEYS},
-            "time/validate": time.time() - t0}
+            "time/validate": t["seconds"] / run.world}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Plumbing only: the method is in train.py (the loop), rollout.py, reward.py and p
 import functools
 import json
 import random
+import shutil
+import uuid
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from cli import die, write_atomic
 from model import (check_attn_implementation, compile_model, compiler_missing, end_of_turn_ids, load_causal_lm,
                    load_critic, load_tokenizer, refuse_unsupported, resolve_model)
 from checkpoint import find_resumable, load_checkpoint
-from parallel import check_shared_out, full_state_dict, init_distributed, load_sharded
+from parallel import barrier, check_shared_out, full_state_dict, init_distributed, load_sharded
 from perf import model_shape, peak_tflops
 from system import choose_dtype, keep_freed_memory, trainer_threads
 
@@ -54,6 +56,8 @@ def setup(args):
     if run.master:
         run.out.mkdir(parents=True, exist_ok=True)
     check_shared_out(run.out, rank, world, device)
+    claim_out(args, run)
+    run.run_id, run.on_disk, run.exported = uuid.uuid4().hex, None, True  # (resume: the checkpoint's run)
     args.dtype, dtype_why = choose_dtype(args.dtype, device)
     args.engine_dtype, engine_dtype_why = choose_dtype(args.engine_dtype, device, engine=args.engine)
     if run.master:
@@ -77,6 +81,28 @@ def setup(args):
     run.flops = {"actor": model_shape(run.actor), **({"critic": model_shape(run.critic)} if run.critic else {})}
     run.peak_tflops = peak_tflops(device, args.peak_tflops)
     return run
+
+
+def claim_out(args, run):
+    """A fresh run never writes over, nor prunes, another run's files: an --out that holds checkpoints or a
+    metrics.jsonl is refused in one line, unless --overwrite, which says what it replaces and removes just that."""
+    if args.resume:
+        return
+    old = sorted(p.name for p in run.out.glob("step_[0-9]*"))
+    mine = [p for p in ("latest", "metrics.jsonl", "curves.png") if (run.out / p).exists() or (run.out / p).is_symlink()]
+    if not old and "metrics.jsonl" not in mine:
+        return
+    shown = ", ".join(old if len(old) <= 3 else old[:1] + ["...", old[-1]]) or "metrics.jsonl"
+    if not args.overwrite:
+        die(f"--out {run.out} holds an earlier run ({shown}): --resume continues it, --overwrite replaces it, "
+            f"or give another --out")
+    if run.master:
+        print(f"[setup] --overwrite: replacing the earlier run in {run.out} ({shown})", flush=True)
+        for name in old:
+            shutil.rmtree(run.out / name, ignore_errors=True)
+        for name in mine:
+            (run.out / name).unlink(missing_ok=True)
+    barrier()
 
 
 def load_data(args, run):
@@ -163,6 +189,8 @@ def resume(args, run):
         sched.load_state_dict(sd)
     run.kl_ctl.load_state_dict(state["kl_ctl"])
     step = state["step"]
+    run.on_disk, run.exported = step, state.get("export", True)
+    run.run_id = state.get("run_id") or run.run_id  # a checkpoint older than run ids: this run's own from now on
     if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
         write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
     run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype))
@@ -183,8 +211,10 @@ def models_and_optimisers(run):
     return {"actor": (run.actor, run.actor_opt), **({"critic": (run.critic, run.critic_opt)} if run.critic is not None else {})}
 
 
-def trainer_state(args, run, step, pending=None):
+def trainer_state(args, run, step, pending=None, export=True):
     """What a checkpoint holds besides models, optimisers and RNGs. pending: the step's metrics line when a SIGTERM
-    stopped the run before the step's validation (the resumed run validates, then logs it)."""
+    stopped the run before the step's validation (the resumed run validates, then logs it); export: it has actor/
+    (and critic/); run_id: the run it belongs to (--keep-last prunes that run's checkpoints only)."""
     return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
-            "schedulers": [s.state_dict() for s in run.schedulers], "world_size": run.world, "pending": pending}
+            "schedulers": [s.state_dict() for s in run.schedulers], "world_size": run.world, "pending": pending,
+            "export": export, "run_id": run.run_id}

@@ -363,9 +363,9 @@ def test_context_length_reads_the_keys_vllm_reads(tmp_path, monkeypatch, capsys)
                "multimodal": SimpleNamespace(text_config=SimpleNamespace(seq_length=4096), max_position_embeddings=7),
                "none": SimpleNamespace(hidden_size=64)}
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path: configs[path])
-    assert [engines._context_length(k) for k in ("llama", "gpt2-like", "multimodal")] == [8192, 1024, 4096]
+    assert [engines.context_length(k) for k in ("llama", "gpt2-like", "multimodal")] == [8192, 1024, 4096]
     with pytest.raises(SystemExit) as e:
-        engines._context_length("none")
+        engines.context_length("none")
     err = capsys.readouterr().err
     assert e.value.code != 0 and "none: its config names no context length" in err and "--max-model-len" in err
     assert err.strip().count("\n") == 0

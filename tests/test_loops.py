@@ -151,7 +151,7 @@ def test_validation_and_multi_turn_eval_count_what_the_cut_dropped(answer_loop_m
         fake = SimpleNamespace(engine=engine, val_prompts=prompts, val_records=records, rank=0, world=1, master=False,
                                intervention_ids=rollout.intervention_ids(tok, args.intervention_text),
                                eos_ids=[tok.eos_token_id], device="cpu")
-        m = train.validate(fake, args)
+        m = train.validation_metrics(fake, train.validate(fake, args))
         assert (m["val/decoded_tokens"], m["val/kept_tokens"], m["val/intervention_tokens"]) == (24, 4, 0)
         assert (m["val/repeated"], m["val/repeated_after_answer"], m["val/turns"], m["val/answered"]) == (1, 1, 1, 1)
 

@@ -25,7 +25,7 @@ class ScriptedEngine:
         self.requests = []
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
-                 eos_ids=None, timeout=None):
+                 eos_ids=None, timeout=None, poll=None):
         out = []
         budgets = engines._per_prompt(max_tokens, len(prompt_token_ids))
         self.requests.append((list(stop), list(eos_ids)))
