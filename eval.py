@@ -469,7 +469,6 @@ def main(argv=None):
     import engines
     from journal import Journal
     from system import choose_dtype
-    from transformers import AutoConfig
 
     prepared = {}  # name -> (tokenizer, prompt ids, longest prompt, context window); before any engine starts
     for name, path in paths.items():

@@ -109,6 +109,41 @@ def test_damaged_latest_falls_back_to_the_newest_complete_checkpoint(uninterrupt
     proc = run_script("train.py", *args(tiny_model_dir, out, "--resume"), env=CPU_ENV, timeout=600)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and err[-1].startswith("error: --resume: no complete checkpoint in"), err[-3:]
+    assert "nothing was deleted" in err[-1] and "another --out" in err[-1]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
+
+
+def test_nothing_of_another_run_is_deleted(uninterrupted, tiny_model_dir, tmp_path):
+    """A fresh run refuses an --out that holds another run (before anything is written); --keep-last prunes the
+    resumed run's own checkpoints only; a checkpoint from before manifests resumes, with a line saying so."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out, symlinks=True)
+    before = {p: p.stat().st_mtime for p in out.rglob("*") if p.is_file()}
+    proc = run_script("train.py", *args(tiny_model_dir, out), env=CPU_ENV, timeout=600)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1] == (f"error: --out {out} holds an earlier run (step_000001, step_000002, "
+                                                 "step_000003): --resume continues it, --overwrite replaces it, or give "
+                                                 "another --out"), err[-3:]
+    assert {p: p.stat().st_mtime for p in out.rglob("*") if p.is_file()} == before  # untouched
+    # step 1 is another run's, step 2 this run's from before manifests: resume it, keep only the newest 1 of its own
+    other = out / "step_000001"
+    state = json.loads((other / "trainer_state.json").read_text())
+    (other / "trainer_state.json").write_text(json.dumps({**state, "run_id": "someone else"}))
+    (other / checkpoint.MANIFEST).write_text(json.dumps(checkpoint.manifest(other)))
+    (out / "step_000002" / checkpoint.MANIFEST).unlink()
+    shutil.rmtree(out / "step_000003")
+    (out / "latest").unlink()
+    (out / "latest").symlink_to("step_000002")
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--resume", "--keep-last", "1"), env=CPU_ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[resume] {out / 'step_000002'} has no manifest.json (written before checkpoints had one): loading it " \
+           "unverified" in proc.stdout
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000003"]  # the other run's stays
+    same_run(out, uninterrupted)
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--overwrite", steps=1), env=CPU_ENV, timeout=600)
+    assert proc.returncode == 0 and f"[setup] --overwrite: replacing the earlier run in {out} (step_000001, " \
+           "step_000003)" in proc.stdout, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001"] and len(metrics(out)) == 1
 
 
 def test_checkpoint_verification_catches_each_kind_of_damage(tmp_path):

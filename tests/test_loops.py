@@ -15,21 +15,10 @@ import logs
 import reward
 import rollout
 from conftest import run_script
-from model import load_tokenizer
 from repetition import repeated
-from test_turn_rule import EOS, ids, run
+from test_turn_rule import EOS, ids, iv, run, tok  # noqa: F401 (iv, tok: the fixtures, SmolLM2's tokenizer)
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    return load_tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def iv(tok):
-    return rollout.intervention_ids(tok, "reference")
 
 
 def loop(tok, text, n):

@@ -136,3 +136,27 @@ def test_metadata_written_by_python_3_13_loads(trained, tiny_model_dir, tmp_path
         state = checkpoint.load_checkpoint(ckpt, {"actor": (actor, opt)})
         assert state["step"] == 1 and opt.param_groups[0]["lr"] == pytest.approx(1e-4)
         assert opt.state  # Adam's moments came back
+
+
+def test_every_file_and_directory_is_fsynced_before_its_rename(tiny_model_dir, tmp_path, monkeypatch):
+    """A node that crashes after the rename of step_N (or of latest) finds whole files: every file and directory of the
+    checkpoint is fsynced first, OUT itself after; and the manifest's hashes, taken while the files were written,
+    are those of the bytes on disk."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a), str(b))) or real_replace(a, b))
+    with actor_and_optimiser(tiny_model_dir) as (actor, opt):
+        checkpoint.save_checkpoint(tmp_path, 1, {"actor": (actor, opt)}, M.load_tokenizer(tiny_model_dir), {},
+                                   export=True)
+    final, tmp = tmp_path / "step_000001", str(tmp_path / "step_000001.tmp")
+    rename = events.index(("replace", tmp, str(final)))
+    synced = {path.removesuffix(".tmp") if path != tmp else path  # (torch writes .metadata as .metadata.tmp first)
+              for kind, path, *_ in events[:rename] if kind == "fsync"}
+    on_disk = [p for p in final.rglob("*")] + [final]
+    assert all(str(p).replace(str(final), tmp) in synced for p in on_disk), \
+        sorted(str(p) for p in on_disk if str(p).replace(str(final), tmp) not in synced)
+    latest = events.index(("replace", str(tmp_path / "latest.tmp"), str(tmp_path / "latest")))
+    assert ("fsync", str(tmp_path)) in events[latest:]  # the directory entry of latest, after its swap
+    assert json.loads((final / checkpoint.MANIFEST).read_text()) == checkpoint.manifest(final)
