@@ -35,17 +35,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not vllm and not dist" tests
 
-# The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores,
-# 5-7 minutes. Short turns (64 tokens, 2 interventions) so that rambling is cut and corrected;
-# the reference turn rule (an answerless turn gets an intervention) with the 'answer-line'
-# prompt, whose one worked example gets the 135M model to write 'Answer:' at all; GRPO (no
-# critic: a zero-initialised critic learns nothing in 12 steps) with one optimiser step per
-# batch, a high LR with no warm-up and temperature 0.8 because a CPU affords only a few steps.
-# Validation is greedy multi-turn on the 100 held-out problems, before and after.
+# The demo: MuTIS on the embedded SmolLM2-135M-Instruct, synthetic arithmetic, 2 CPU cores. Short turns
+# (64 tokens, 2 interventions) so that rambling is cut and corrected; the reference turn rule (an
+# answerless turn gets an intervention) with the 'answer-line' prompt, whose one worked example gets the
+# 135M model to write 'Answer:' at all; --require-stop: a correct answer that the turn budget had to cut
+# (the model went on after it: repeating its answer line is the habit it falls into here) scores 0, since
+# the reference's cut keeps a whole 'Answer:' paragraph and rewards it; GRPO (no critic: a
+# zero-initialised critic learns nothing in 12 steps) with one optimiser step per batch, a high LR with
+# no warm-up and temperature 0.8 because a CPU affords only a few steps. Validation is greedy multi-turn
+# on the 100 held-out problems, before and after; then the README's evaluation example: eval.py, single
+# turn, greedy, the untrained model beside the trained one, tokens as decoded.
 DEMO_ARGS ?= --model smollm2 --data arith_train --val-data arith_test --system-prompt answer-line \
 	--steps 12 --batch-size 4 --samples-per-prompt 6 --micro-batch-size 8 --mini-batch-size 24 \
 	--max-turns 2 --turn-tokens 64 --adv grpo --actor-lr 3e-5 --actor-warmup-ratio 0 --temperature 0.8 \
-	--val-before-train --val-freq 12 --enforce-eager --out runs/demo
+	--require-stop --val-before-train --val-freq 12 --enforce-eager --out runs/demo
+DEMO_EVAL_ARGS ?= smollm2 runs/demo/step_000012 --benchmarks arith_test --system-prompt answer-line \
+	--max-response-tokens 256 --enforce-eager --out runs/demo/eval
 
 print-demo-args:
 	@echo $(DEMO_ARGS)
@@ -53,6 +58,7 @@ print-demo-args:
 demo: $(STAMP)
 	$(PY) model.py prepare
 	$(PY) train.py $(DEMO_ARGS) --overwrite
+	$(PY) eval.py $(DEMO_EVAL_ARGS) --overwrite
 
 # MuTIS against single-turn baselines (bench/compare.py), all from the demo's settings plus validation
 # every 4 steps on 50 problems (the curves), then eval.py on every checkpoint side by side:

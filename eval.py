@@ -304,6 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default="smollm2", help="--score: counts tokens when the file has no num_tokens")
     p.add_argument("--out", default=None, help="output directory (default runs/eval-TIMESTAMP); a rerun with the same "
                                                "arguments and --out continues a stopped evaluation")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds (its journal and outputs) "
+                                                            "instead of continuing from it")
     p.add_argument("--batch-invariant", action="store_true",
                    help="vLLM's batch-invariant kernels (CUDA; slower): a sample does not depend on which requests share "
                         "its batch, so N ranks write what one process writes in any dtype")
@@ -363,6 +365,20 @@ def engine_key(path, kind, prompts, eos_ids):
     for key in ("_name_or_path", "_model_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype"):
         config.pop(key, None)
     return hashlib.sha1(json.dumps([config, prompts, sorted(eos_ids)], sort_keys=True, default=str).encode()).hexdigest()
+
+
+def replace_out(out, master):
+    """--overwrite: remove what an earlier eval.py wrote in --out (its journal, samples, summaries, plot), saying so."""
+    import shutil
+
+    mine = [out / n for n in ("journal", "samples.jsonl", "summary.json", "summary.md", "budget.png") if (out / n).exists()]
+    if master and mine:
+        print(f"[setup] --overwrite: replacing {', '.join(p.name for p in mine)} in {out}", file=sys.stderr, flush=True)
+        for p in mine:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    from parallel import barrier
+
+    barrier()
 
 
 def check_batch_invariance(args, world, say):
@@ -463,6 +479,8 @@ def main(argv=None):
 
     out = Path(args.out or broadcast_object(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     master = rank == 0
+    if args.overwrite:
+        replace_out(out, master)
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if master else (lambda line: None)
     if args.temperature == 0 and args.samples_per_prompt > 1:
         say("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer")

@@ -51,7 +51,7 @@ class Journal:
             old = json.loads(meta.read_text())
             diff = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
             die(f"{flag} {self.dir.parent}: holds generations of {name} under other settings ({', '.join(diff)}); "
-                f"use another {flag} or delete {self.dir}")
+                f"use another {flag}, or --overwrite to replace them")
         write_atomic(meta, text)  # every rank writes the same text
         self.path = self.dir / f"{self.stem}.rank{rank}.jsonl"
         self._cut_torn_tail()

@@ -80,3 +80,18 @@ def test_counts_are_positive_ints(cli, flags, capsys):
         parse(own + flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and flags[0] in err[0], err
+
+
+def test_the_readmes_evaluation_example_is_what_make_demo_runs_last():
+    """The README shows the table a user gets from its own example: make demo must run exactly that example."""
+    import re
+    import shlex
+
+    from conftest import ROOT
+
+    make = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    demo = shlex.split(re.search(r"^DEMO_EVAL_ARGS \?= (.*)$", make, re.M).group(1))
+    readme = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    example = re.search(r"^python eval\.py (smollm2 runs/demo/step_000012 .*?)(?:#|$)", readme, re.M).group(1)
+    assert shlex.split(example) == demo
+    assert "$(PY) eval.py $(DEMO_EVAL_ARGS) --overwrite" in make.split("\ndemo:")[1].split("\n\n")[0]
