@@ -153,7 +153,7 @@ class VLLMEngine:
         Returns M Completions. Log-probs are vLLM's processed ones (after temperature/top-p),
         i.e. what a trainer computes with the same temperature (logprobs=False: not computed, None).
         on_finish(i, completion): called as request i finishes (progress, eval.py's journal).
-        poll(): called after every engine step; whatever it raises (faults.Stopped on a SIGTERM) stops the call there,
+        poll(): called before every engine step; whatever it raises (faults.Stopped on a SIGTERM) stops the call there,
         the unfinished requests aborted, the scheduler whole.
         max_in_flight: at most this many requests in the engine, the next added as one finishes (None: all at
         once; vLLM's scheduler then runs up to its max_num_seqs and queues the rest). Wakes the KV cache of a
@@ -202,6 +202,8 @@ class VLLMEngine:
         done = {}
         try:
             while engine.has_unfinished_requests():
+                if poll is not None:  # before each step: a signal that came before this call stops it at once
+                    poll()
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = completion(out.outputs[0])
@@ -209,8 +211,6 @@ class VLLMEngine:
                             on_finish(int(out.request_id.rsplit("-", 1)[1]), done[out.request_id])
                         add(1 if max_in_flight else 0)
                 _check_deadline(deadline, timeout, len(done), m)
-                if poll is not None:
-                    poll()
         except BaseException:
             engine.abort_request([r for r in req_ids[:added] if r not in done])
             raise
@@ -336,6 +336,8 @@ class HFEngine:
                                      eos_ids, left, on_finish=on_finish and (lambda i, c, s=s: on_finish(s + i, c)),
                                      poll=poll)
             return out
+        if poll is not None:  # before the prefill, as before every decoding step
+            poll()
         eos = {self.tokenizer.eos_token_id} if eos_ids is None else set(eos_ids)
         rows = [list(p) for p in prompt_token_ids]
         limits = _per_prompt(max_tokens, m)

@@ -162,7 +162,7 @@ def sample(engine, prompt_ids, *, n=1, turn_tokens, max_turns=0, max_response_to
     far; the prefix cache spares recomputing earlier turns); `wants_intervention` decides what follows a
     turn, `answer_prefix` where it is cut. eos_ids: every end-of-turn id (all of them end a turn).
     desc: label of a transient progress bar over finished trajectories (None: no bar). poll: the engine calls it
-    after every step, and whatever it raises stops the rollout there (train.py: a SIGTERM, faults.Guard.poll).
+    before every step, and whatever it raises stops the rollout there (train.py: a SIGTERM, faults.Guard.poll).
 
     Each trajectory: response_ids (kept policy tokens and interventions interleaved), action_mask (1 on the
     policy's tokens), rollout_logprobs, turns, interventions, answered (ended on an explicit answer),

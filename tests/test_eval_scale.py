@@ -211,7 +211,7 @@ def test_a_checkpoint_retrained_into_the_same_path_is_not_replayed(pair, tmp_pat
     """The journal knows a checkpoint by its weights, not its path."""
     import shutil
 
-    first, other, _, _ = pair
+    first, other, ref, _ = pair
     model_dir, out = tmp_path / "model", tmp_path / "out"
     shutil.copytree(first, model_dir)
     run_eval(model_dir, *ARGS, "--out", out)
@@ -221,6 +221,12 @@ def test_a_checkpoint_retrained_into_the_same_path_is_not_replayed(pair, tmp_pat
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and err[-1].startswith(f"error: --out {out}: holds generations of {model_dir} under "
                                                     "other settings (weights)"), r.stderr[-2000:]
+    r = subprocess.run(eval_cmd(model_dir, *ARGS, "--out", out, "--overwrite"), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)  # make demo's second run
+    assert r.returncode == 0 and f"[setup] --overwrite: replacing journal, samples.jsonl, summary.json, summary.md " \
+                                 f"in {out}" in r.stderr, r.stderr[-2000:]
+    want = [s["response_ids"] for s in lines(ref / "samples.jsonl") if s["checkpoint"] == str(other)]
+    assert [s["response_ids"] for s in lines(out / "samples.jsonl")] == want  # the new weights' own generations
 
 
 def test_the_journal_index_holds_places_not_tokens(tmp_path):
