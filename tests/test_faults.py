@@ -346,6 +346,8 @@ def test_save_minutes_checkpoints_by_time(tiny_model_dir, tmp_path):
 # to both ranks at once
 AGENT_POINTS = [("agent-rollout:2:1", 1, False),     # rollout: every rank stops at its engine's next step; step 1's
                                                      # checkpoint (--save-freq 1) is already there
+                ("agent-logprobs:3:0:2", 2, False),  # between no-grad micro-batches: both ranks agree to drop step 3
+                ("agent-update:2:0:2", 2, True),     # after the first optimiser step: both finish step 2 and keep it
                 ("agent-validate-late:3:0", 3, True)]  # rank 1 has finished its validation shard and waits for rank 0
 
 
