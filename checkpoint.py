@@ -77,14 +77,14 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         raise
     parallel.barrier()
     if rank == 0:
-        write_durable(tmp / "trainer_state.json", json.dumps(dict(trainer_state, step=step), indent=1))
+        files = {"trainer_state.json": write_durable(tmp / "trainer_state.json",
+                                                     json.dumps(dict(trainer_state, step=step), indent=1))}
         parts = sorted(tmp.glob(f"{MANIFEST}.rank*"))
-        files = {}
         for part in parts:
             files.update(json.loads(part.read_text()))
             part.unlink()
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # the export, trainer_state, the metadata's
-            if str(path.relative_to(tmp)) not in files:                   # own entry is there: hashed while written
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # the export, read back (the sharded state's
+            if str(path.relative_to(tmp)) not in files:                   # entries are there: hashed while written)
                 files[str(path.relative_to(tmp))] = file_digest(path, sync=True)
         write_durable(tmp / MANIFEST, json.dumps(dict(sorted(files.items())), indent=0))
         for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True) + [tmp]:

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from parallel import wait_for_keys
+
 ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
 PREEMPTED = 143  # 128 + SIGTERM: schedulers and torchrun requeue / restart on a non-zero exit
 
@@ -132,19 +134,12 @@ class Guard:
         if self.world == 1:
             return self.signalled.is_set()
         self._seq += 1
-        key = lambda r, seq=self._seq: f"{ARRIVE}/{seq}/{r}"  # noqa: E731
-        self._store.set(key(self.rank), "1" if self.signalled.is_set() else "0")
-        deadline, pause = time.monotonic() + self.timeout, 0.01
-        # polled, not a blocking wait: the main thread stays in Python (the signal handler runs), and the store logs
-        # no warning per timed-out wait
-        while not self._store.check([key(r) for r in range(self.world)]):
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world) if not self._store.check([key(r)])]
-                self._die(f"rank(s) {', '.join(map(str, missing))} did not arrive within --dist-timeout "
-                          f"({self.timeout:g}s)")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.25)
-        flags = self._store.multi_get([key(r) for r in range(self.world)])
+        keys = [f"{ARRIVE}/{self._seq}/{r}" for r in range(self.world)]
+        self._store.set(keys[self.rank], "1" if self.signalled.is_set() else "0")
+        if missing := wait_for_keys(self._store, keys, time.monotonic() + self.timeout):
+            self._die(f"rank(s) {', '.join(str(r) for r, k in enumerate(keys) if k in missing)} did not arrive "
+                      f"within --dist-timeout ({self.timeout:g}s)")
+        flags = self._store.multi_get(keys)
         if self._seq > 1:  # every rank has passed the previous boundary: its key is no longer waited for
             self._store.delete_key(f"{ARRIVE}/{self._seq - 1}/{self.rank}")
         return any(f == b"1" for f in flags)

@@ -34,6 +34,11 @@ def request_key(ids, max_tokens, seed):
     return hashlib.sha1(json.dumps([list(ids), int(max_tokens), seed]).encode()).hexdigest()
 
 
+def replayed(token_ids, stopped):
+    """A Completion as the journal gives it back: the tokens and whether the model stopped (no log-probs kept)."""
+    return Completion(list(token_ids), [math.nan] * len(token_ids), bool(stopped))
+
+
 class Journal:
     """The finished requests of one checkpoint: `done` (key -> where its line is) from every rank's file, `get` reading
     one back, and `record` appending this rank's new ones."""
@@ -81,7 +86,7 @@ class Journal:
             f.seek(offset)
             try:
                 rec = json.loads(f.readline())
-                return Completion(rec["ids"], [math.nan] * len(rec["ids"]), rec["stopped"])
+                return replayed(rec["ids"], rec["stopped"])
             except (ValueError, KeyError, TypeError):
                 return None
 
@@ -97,8 +102,7 @@ class Journal:
     def record(self, key, completion):
         """Append one finished request and make it durable before going on (in memory only: keep it)."""
         if self.file is None:
-            self.memory[key] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
-                                          completion.stopped)
+            self.memory[key] = replayed(completion.token_ids, completion.stopped)
             return
         offset = self.file.tell()
         self.file.write((json.dumps({"key": key, "ids": list(completion.token_ids),
@@ -135,8 +139,7 @@ class Journaled:
 
         def finished(j, completion):
             self.journal.record(keys[todo[j]], completion)
-            got[keys[todo[j]]] = Completion(list(completion.token_ids), [math.nan] * len(completion.token_ids),
-                                            completion.stopped)
+            got[keys[todo[j]]] = replayed(completion.token_ids, completion.stopped)
             self.on_request(1)
 
         if todo:

@@ -80,11 +80,9 @@ def agree_on_attempt(store, rank, world, timeout):
         attempt = store.add("mutis/attempts", 1)
         store.set("mutis/attempt", str(attempt))
         acks = [f"mutis/attempt_{attempt}/ack/{r}" for r in range(1, world)]
-        while not store.check(acks):
-            if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(acks, 1) if not store.check([k])]
-                raise TimeoutError(f"rank(s) {missing} did not join attempt {attempt} of the group")
-            time.sleep(0.01)
+        if missing := wait_for_keys(store, acks, deadline):
+            raise TimeoutError(f"rank(s) {[r for r, k in enumerate(acks, 1) if k in missing]} did not join attempt "
+                               f"{attempt} of the group")
         store.set(f"mutis/attempt_{attempt}/go", json.dumps(sorted(store.get(k).decode() for k in acks)))
         return attempt
     nonce, answered = f"{rank}-{os.getpid()}-{random.getrandbits(64):016x}", None
@@ -99,6 +97,19 @@ def agree_on_attempt(store, rank, world, timeout):
                 return attempt
         time.sleep(0.01)
     raise TimeoutError("rank 0 did not start this attempt of the group")
+
+
+def wait_for_keys(store, keys, deadline):
+    """Wait until every key is set in the store -> [], or the keys still missing once time.monotonic() passes
+    deadline. Polled, not store.wait: the calling thread stays in Python between checks (a signal handler runs), and
+    the store logs no warning per timed-out wait."""
+    pause = 0.01
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return [k for k in keys if not store.check([k])]
+        time.sleep(pause)
+        pause = min(2 * pause, 0.25)
+    return []
 
 
 def close_distributed():
