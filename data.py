@@ -1,7 +1,8 @@
 """Datasets for MuTIS: loaders, chat prompts, preprocessors, bundled benchmarks, synthetic arithmetic.
 
-    python data.py limo    --input limo.json --out data/limo        # LIMO -> train/test.parquet
-    python data.py r1_220k --input openr1.parquet --out data/r1      # OpenR1-Math-220k, filtered
+    python data.py limo    --out data/limo                           # LIMO from the HF hub -> train/test.parquet
+    python data.py r1_220k --out data/r1                             # OpenR1-Math-220k from the hub, filtered
+    python data.py limo    --input limo.json --out data/limo         # the same from files you bring (--input)
     python data.py arith   --out data/arith                          # seeded synthetic arithmetic
     python data.py show    math500 --limit 1                         # load anything, print a record
 
@@ -30,6 +31,7 @@ import random
 import re
 from pathlib import Path
 
+import hub
 from cli import ArgumentParser, deprecated, die, positive_int
 
 ROOT = Path(__file__).resolve().parent
@@ -383,16 +385,31 @@ def _templated(id, data_source, question, truth, index, solution=None):
             "ground_truth": truth, "problem": question, "index": index, "solution": solution}
 
 
+def _inputs(args):
+    """--input's files, else the dataset's files fetched from the Hugging Face hub (hub.py), and a name for them."""
+    paths = args.input or hub.fetch_dataset(args.cmd)
+    if not args.input:
+        print(f"{hub.DATASETS[args.cmd]['repo']}: {len(paths)} file(s) in {paths[0].parent}")
+    return paths, str(paths[0]) if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"
+
+
+def _rows_of(paths, columns=None, required=()):
+    """The rows of several files in turn, as (where, row): `where` names the file and the row in it."""
+    for path in paths:
+        for loc, row in read_rows(path, columns, required):
+            yield f"{path}: {loc}", row
+
+
 def cmd_limo(args):
+    paths, name = _inputs(args)
     records = []
-    for i, (loc, row) in enumerate(read_rows(args.input)):
-        where = f"{args.input}: {loc}"
+    for i, (where, row) in enumerate(_rows_of(paths)):
         question, truth = _text(row, ("question", "problem"), where), _truth(row.get("answer"), where, "answer")
         solution = _text(row, ("solution",), where, optional=True)
         records.append(_templated(f"limo-{i}", "limo", question, truth, i, solution))
     if not records:
-        raise DataError(f"{args.input}: no rows")
-    _write_splits(args.out, *_split(records, args.test_frac, args.seed, args.input))
+        raise DataError(f"{name}: no rows")
+    _write_splits(args.out, *_split(records, args.test_frac, args.seed, name))
 
 
 MC_OPTION = re.compile(r"\(\s*([A-E])\s*\)")
@@ -406,11 +423,11 @@ def is_multiple_choice(problem, answer):
 
 
 def cmd_r1_220k(args):
+    paths, name = _inputs(args)
     # Read only what we use: OpenR1 parquet files also carry long `generations` columns.
-    rows = read_rows(args.input, ["problem", "solution", "answer", "question_type", "uuid"], ["problem", "answer"])
+    rows = _rows_of(paths, ["problem", "solution", "answer", "question_type", "uuid"], ["problem", "answer"])
     records, dropped = [], {"multiple_choice": 0, "long_answer": 0, "no_answer": 0}
-    for i, (loc, row) in enumerate(rows):
-        where = f"{args.input}: {loc}"
+    for i, (where, row) in enumerate(rows):
         problem = _text(row, ("problem",), where)
         answer = row.get("answer")
         if answer is None or (isinstance(answer, str) and answer.strip().lower() in NO_ANSWER):
@@ -429,8 +446,8 @@ def cmd_r1_220k(args):
         records.append(_templated(rid, "r1_220k", problem, answer, i, solution))
     print("dropped: " + ", ".join(f"{k}={v}" for k, v in dropped.items()))
     if not records:
-        raise DataError(f"{args.input}: no rows left after filtering")
-    _write_splits(args.out, *_split(records, args.test_frac, args.seed, args.input))
+        raise DataError(f"{name}: no rows left after filtering")
+    _write_splits(args.out, *_split(records, args.test_frac, args.seed, name))
 
 
 def make_arith(n, seed=ARITH_SEED, digits=2, ops="+,*", split="train"):
@@ -513,8 +530,10 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, func, frac, what in (("limo", cmd_limo, 0.1, "LIMO limo.json (a JSON list), JSONL or parquet"),
                                    ("r1_220k", cmd_r1_220k, 0.01, "OpenR1-Math-220k parquet or JSONL")):
-        s = sub.add_parser(name, help=f"{what} -> train/test.parquet")
-        s.add_argument("--input", required=True, help=what)
+        repo = hub.DATASETS[name]["repo"]
+        s = sub.add_parser(name, help=f"{repo} (the Hugging Face hub, or --input) -> train/test.parquet")
+        s.add_argument("--input", nargs="+", type=Path, metavar="FILE",
+                       help=f"{what}, read in turn as one dataset (default: fetch {repo} from the hub)")
         s.add_argument("--out", required=True, help="output directory")
         s.add_argument("--test-frac", type=float, default=frac, help="fraction held out as test.parquet")
         s.add_argument("--seed", type=int, default=0, help="shuffle seed for the split")
@@ -540,6 +559,8 @@ def main(argv=None):
         args.func(args)
     except DataError as e:
         die(str(e))
+    except hub.HubError as e:
+        die(f"data.py {args.cmd}: {e}")
     except OSError as e:  # unreadable input, unwritable --out
         die(f"{e.filename}: {e.strerror}" if e.filename else str(e))
 
