@@ -3,9 +3,11 @@ in-process (colocated with the trainer; under torchrun each rank owns an engine 
 batched transformers backend with KV cache for debugging and cross-checks. rollout.sample drives either.
 """
 import gc
+import hashlib
 import math
 import os
 import time
+from array import array
 from collections import namedtuple
 
 import torch
@@ -83,9 +85,38 @@ def context_length(model_path):
     die(f"{model_path}: its config names no context length ({', '.join(_LENGTH_KEYS)}); set --max-model-len")
 
 
+def tp_sizes(heads, kv_heads, ranks=None):
+    """The --engine-tp values a model allows: K splits every attention layer's heads and KV heads over K ranks, and
+    the ranks into groups of K, so it divides all three (ranks=None: any number of them)."""
+    return [k for k in range(1, heads + 1)
+            if heads % k == 0 and kv_heads % k == 0 and (ranks is None or ranks % k == 0)]
+
+
+def check_tensor_parallel(model_path, tp, world):
+    """One line when --engine-tp cannot split this model or these ranks (tp_sizes), before any engine starts."""
+    if tp == 1:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if tp not in tp_sizes(heads, kv):
+        die(f"--engine-tp {tp}: {model_path} has {heads} attention heads and {kv} KV heads; K must divide both "
+            f"({', '.join(map(str, tp_sizes(heads, kv)))})")
+    if world % tp:
+        die(f"--engine-tp {tp} must divide the number of ranks ({world}): run {tp} x N ranks "
+            f"(torchrun --nproc_per_node {tp})")
+
+
 class VLLMEngine:
     def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
-                 distributed=False, enforce_eager=False, kv_cache_gib=None):
+                 distributed=False, enforce_eager=False, kv_cache_gib=None, tp=1):
+        """tp > 1: one engine over tp contiguous ranks (tensor parallel, distributed=True); each of them builds it,
+        seeded alike, and makes the same calls with the same arguments. gpu_memory_utilization, sleep, wake and the
+        memory guard are per GPU, so each rank reserves, frees and checks its own share (1/tp of the weights and of
+        the KV heads)."""
         # In-process engine: the trainer and the sampler share one process per rank (no engine subprocess).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         set_threads = torch.set_num_threads
@@ -129,9 +160,16 @@ class VLLMEngine:
                 raise RuntimeError("VLLMEngine(distributed=True) must be built after torch.distributed."
                                    "init_process_group, on every rank (vLLM adopts the trainer's group)")
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # tensor_parallel_size=K > 1: vLLM forms TP groups of K contiguous ranks, and every rank of a group runs
+            # the same scheduler on its share of the weights: the group's calls must match, step by step. Their
+            # sampling must too (one seed per group, the caller's), else tokens differ between the ranks and vLLM
+            # goes on silently with garbled text: each call's tokens are compared (_agree).
+        from parallel import engine_group
+
+        self.members, self.group = engine_group(tp) if distributed else ([0], None)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
-                       tensor_parallel_size=1, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
+                       tensor_parallel_size=tp, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
                        **kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype  # torch dtype of the engine's weights
         # The CPU worker replaces torch.set_num_threads with a no-op; give the colocated trainer it back.
@@ -146,6 +184,7 @@ class VLLMEngine:
         self.activation_peak = None if self.on_cpu else _vllm_internal(self.llm, "activation_peak")
         self.reserved = 0 if self.on_cpu else math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
         self.calls = 0  # request ids: f'{call}-{i}'
+        self.tp = tp
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None, poll=None):
@@ -214,7 +253,25 @@ class VLLMEngine:
         except BaseException:
             engine.abort_request([r for r in req_ids[:added] if r not in done])
             raise
-        return [done[rid] for rid in req_ids]
+        out = [done[rid] for rid in req_ids]
+        if self.group is not None:
+            self._agree(out)
+        return out
+
+    def _agree(self, completions):
+        """The ranks of this engine compare a hash of the tokens they decoded in this call: raise
+        parallel.RanksDisagree naming the ranks that differ from the group's first."""
+        from parallel import RanksDisagree, group_gather_int
+
+        h = hashlib.blake2b(digest_size=8)
+        for c in completions:
+            h.update(array("q", [len(c.token_ids), *c.token_ids]).tobytes())
+        hashes = group_gather_int(int.from_bytes(h.digest(), "little", signed=True), self.group)
+        odd = [r for r, x in zip(self.members, hashes) if x != hashes[0]]
+        if odd:
+            raise RanksDisagree(f"ranks {', '.join(map(str, self.members))} share one engine (--engine-tp {self.tp}) "
+                                  f"but rank(s) {', '.join(map(str, odd))} decoded other tokens than rank "
+                                  f"{self.members[0]} in its call {self.calls}")
 
     def sleep(self, keep_weights=False):
         """Free accelerator memory for training. keep_weights=False (after a rollout): drop weights and KV cache
@@ -318,6 +375,7 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = max_model_len or context_length(model_path)
         self.seed = seed
+        self.group = None  # one rank per engine (--engine-tp is vLLM's)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
@@ -415,14 +473,15 @@ class HFEngine:
 
 
 def make_engine(model_path, kind="vllm", dtype="auto", seed=0, gpu_memory_utilization=0.5, max_model_len=None,
-                distributed=False, enforce_eager=False, attn_implementation="sdpa"):
+                distributed=False, enforce_eager=False, attn_implementation="sdpa", tp=1):
     """dtype: auto (system.choose_dtype: the one place that picks an engine's dtype) or a torch dtype name.
-    distributed: under torchrun, one engine per rank (VLLMEngine: build it on every rank at once, after
-    init_process_group). attn_implementation: the hf engine's transformers attention (vLLM picks its own)."""
+    distributed: under torchrun, one engine per rank, or per tp contiguous ranks (VLLMEngine: build it on every rank
+    at once, after init_process_group; seed: the group's, one for all of its ranks). attn_implementation: the hf
+    engine's transformers attention (vLLM picks its own)."""
     dtype = choose_dtype(dtype, engine=kind)[0]
     if kind == "vllm":
         return VLLMEngine(model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                          max_model_len=max_model_len, distributed=distributed, enforce_eager=enforce_eager)
+                          max_model_len=max_model_len, distributed=distributed, enforce_eager=enforce_eager, tp=tp)
     if kind == "hf":
         return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                         attn_implementation=attn_implementation)

@@ -424,20 +424,6 @@ def checkpoint_tensors(path):
                 yield name, st.get_tensor(name)
 
 
-def gather(samples, world):
-    """Every rank's samples on rank 0 (None elsewhere), in record order then sample order: the 1-process order."""
-    if world == 1:
-        parts = [samples]
-    else:
-        import torch.distributed as dist
-
-        parts = [None] * world if dist.get_rank() == 0 else None
-        dist.gather_object(samples, parts, dst=0)
-        if parts is None:
-            return None
-    return sorted((s for part in parts for s in part), key=lambda s: (s["_index"], s["sample"]))
-
-
 def main(argv=None):
     args = parse_args(argv)
     from system import keep_freed_memory, quiet_logs
@@ -475,7 +461,7 @@ def main(argv=None):
         from parallel import init_distributed
 
         init_distributed()
-    from parallel import broadcast_object
+    from parallel import RanksDisagree, broadcast_object, gather_to_first
 
     out = Path(args.out or broadcast_object(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     master = rank == 0
@@ -502,6 +488,8 @@ def main(argv=None):
         for name in names[1:]:
             if not list(Path(paths[name]).glob("*.safetensors")):
                 die(f"checkpoint {name}: no *.safetensors files in {paths[name]} to load into the running engine")
+    for path in paths.values():
+        engines.check_tensor_parallel(path, args.engine_tp, world)
     if world > 1 and len(groups) > 1 and args.engine == "vllm":  # vLLM's shutdown ends the process group
         die(f"under torchrun every checkpoint must share one engine (one architecture and tokenizer); "
             f"{len(groups)} kinds given: evaluate them in separate calls")
@@ -517,7 +505,8 @@ def main(argv=None):
         f"{args.samples_per_prompt} sample(s), {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
     import rollout
 
-    mine = rollout.shard_indices(len(records), rank, world)
+    group, mine = rollout.group_shard(len(records), rank, world, args.engine_tp)  # the engine's, this rank's
+    own = set(mine)
     timings = {"load_s": round(time.time() - t0, 2), "engines": {}, "checkpoints": {}}
     samples = {}
     for names in groups.values():
@@ -525,7 +514,7 @@ def main(argv=None):
         first = paths[names[0]]
         engine = engines.make_engine(first, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
                                      max_model_len=max(prepared[n][2] for n in names) + gen_tokens,
-                                     distributed=world > 1, enforce_eager=args.enforce_eager,
+                                     distributed=world > 1, enforce_eager=args.enforce_eager, tp=args.engine_tp,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      attn_implementation=args.attn_implementation)
         timings["engines"][names[0]] = {"checkpoints": names, "start_s": round(time.time() - t, 2)}
@@ -540,10 +529,14 @@ def main(argv=None):
                 t = time.time()
                 try:
                     done = generate(engine, tokenizer, records, args, desc=f"generate {name}" if master else None,
-                                    prompts=prompts, journal=journals[name], indices=mine)
+                                    prompts=prompts, journal=journals[name], indices=group)
+                except RanksDisagree as e:
+                    die(f"checkpoint {name}: {e}")
                 finally:
                     journals[name].close()
-                scored = gather(score_generated(done, args, tokenizer), world)  # every rank scores its own shard
+                done = [s for s in done if s["_index"] in own]
+                scored = gather_to_first(score_generated(done, args, tokenizer),  # each rank scores its own shard
+                                         key=lambda s: (s["_index"], s["sample"]))
                 gen_s = time.time() - t
                 if master:
                     samples[name] = [{"checkpoint": name, **s} for s in scored]

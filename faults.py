@@ -8,7 +8,8 @@ SIGTERM at the same point:
   - before the update has changed the weights (rollout, scoring, the no-grad passes, the update's first
     micro-batches): the step is abandoned (StepAbandoned) and train.py checkpoints the state it started from;
     the rollout and validation stop at the engine's next step (Guard.poll: their engine calls make no
-    collectives, and validation gathers its numbers only past the boundary), the no-grad passes and the update
+    collectives beyond a tensor-parallel engine's own ranks, which decide together, and validation gathers its
+    numbers only past the boundary), the no-grad passes and the update
     agree between micro-batches (Guard.check);
   - once an optimiser step has changed them: the step's update finishes (the safe point: its remaining
     mini-batches) and train.py checkpoints the step, its validation left pending for the resumed run.
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from parallel import wait_for_keys
+from parallel import RanksDisagree, group_any, wait_for_keys
 
 ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
 PREEMPTED = 143  # 128 + SIGTERM: schedulers and torchrun requeue / restart on a non-zero exit
@@ -42,8 +43,9 @@ class Stopped(Exception):
 
 
 class Guard:
-    def __init__(self, rank, world, timeout, grace):
+    def __init__(self, rank, world, timeout, grace, engine_group=None):
         self.rank, self.world, self.timeout, self.grace = rank, world, timeout, grace
+        self.engine_group = engine_group  # the ranks of a tensor-parallel engine (--engine-tp): they stop together
         self.step, self.where = 0, "setup"
         self.signalled = threading.Event()  # a SIGTERM reached this rank
         self.stopping = False               # every rank agreed to stop after this step's weights changed
@@ -66,8 +68,15 @@ class Guard:
         self.signalled.set()
 
     def poll(self):
-        """Between engine steps of an interruptible phase: raise Stopped once a SIGTERM has arrived."""
-        if self._interruptible and self.signalled.is_set():
+        """Between engine steps of an interruptible phase: raise Stopped once a SIGTERM has arrived. The ranks of
+        one tensor-parallel engine decide together (each of its steps is a collective over them): stop when any
+        of them got the signal."""
+        if not self._interruptible:
+            return
+        stop = self.signalled.is_set()
+        if self.engine_group is not None:
+            stop = group_any(stop, self.engine_group)
+        if stop:
             raise Stopped
 
     def _watchdog(self, fd):
@@ -98,13 +107,15 @@ class Guard:
         the phase, exit 1."""
         self.where, result = name, None
         try:
-            if not (interruptible and self.signalled.is_set()):
+            if not (interruptible and self.signalled.is_set() and self.engine_group is None):  # (a group polls)
                 self._interruptible = interruptible
                 result = fn()
         except Stopped:
             result = None
         except dist.DistError as e:
             self._die(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        except RanksDisagree as e:  # a tensor-parallel engine's ranks decoded different tokens
+            self._die(str(e))
         finally:
             self._interruptible = False
         self.weights_changed = self.weights_changed or commits

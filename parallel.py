@@ -151,6 +151,55 @@ def all_gather_object(obj):
     return out
 
 
+class RanksDisagree(RuntimeError):
+    """Ranks that must hold the same result do not (the ranks of one tensor-parallel engine, their tokens)."""
+
+
+def engine_group(tp):
+    """The ranks that share this rank's engine (--engine-tp): groups of tp contiguous ranks, as vLLM's
+    external_launcher forms them -> (members, a gloo group over them; None when tp == 1). A collective over the
+    whole world (new_group): every rank calls it, at once. gloo: the group's few small collectives (a stop flag
+    before each engine step, a hash after each call) stay off the GPU and its streams."""
+    rank, world = _rank(), _world()
+    if tp == 1:
+        return [rank], None
+    mine = None
+    for first in range(0, world, tp):
+        members = list(range(first, first + tp))
+        group = dist.new_group(members, backend="gloo")
+        if rank in members:
+            mine = members, group
+    return mine
+
+
+def group_any(flag, group):
+    """Whether any rank of `group` passed a true flag (a collective over the group)."""
+    t = torch.tensor([int(bool(flag))])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def group_gather_int(value, group):
+    """[every member's int64 value] on every member of `group`, in rank order."""
+    mine = torch.tensor([value], dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [int(t.item()) for t in out]
+
+
+def gather_to_first(items, key):
+    """Every rank's list of items on rank 0, merged and sorted by key (None on the other ranks): what one process
+    would have produced."""
+    if _world() == 1:
+        parts = [items]
+    else:
+        parts = [None] * _world() if _rank() == 0 else None
+        dist.gather_object(items, parts, dst=0)
+        if parts is None:
+            return None
+    return sorted((x for part in parts for x in part), key=key)
+
+
 def shard(model, mixed_precision=None, offload=False, grad_checkpointing=False, mesh=None):
     """FSDP2 in place: each decoder layer is one unit, the root (embeddings, norm, head; tied
     weights are one parameter, so they share the root unit) is another. mixed_precision=bf16:

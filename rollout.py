@@ -2,6 +2,7 @@
 
     python rollout.py --model smollm2 --data math500 --limit 8 --samples-per-prompt 2 --max-turns 2 --turn-tokens 128 \
         --temperature 1.0 --seed 0 --out out/rollout.jsonl [--engine vllm|hf]
+    torchrun --nproc_per_node 2 rollout.py ... --engine-tp 2     # one engine over two ranks (tensor parallel)
 
 A turn generates at most `turn_tokens` and is cut right after its first complete answer (`answer_prefix`).
 A turn with an answer ends the trajectory; an answerless one (budget hit or EOS: the reference rule,
@@ -16,6 +17,7 @@ The engines (vLLM in-process, a transformers fallback) are engines.py's.
 """
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,8 +27,9 @@ import torch
 from tqdm import tqdm
 
 from cli import ArgumentParser, die, positive_int, write_atomic
-from engines import RolloutTimeout, make_engine
+from engines import RolloutTimeout, check_tensor_parallel, make_engine
 from model import end_of_turn_ids, load_tokenizer, resolve_model
+from parallel import RanksDisagree, gather_to_first, init_distributed
 from repetition import repeated
 from reward import find_answer  # one answer detector for the turn rule and the reward
 from system import choose_dtype, keep_freed_memory, quiet_logs
@@ -286,6 +289,24 @@ def shard_indices(num_prompts, rank, world_size):
     return list(range(rank, num_prompts, world_size))
 
 
+def group_shard(num_prompts, rank, world_size, tp=1):
+    """(the prompts this rank's engine samples, the ones this rank keeps), as positions. The tp contiguous ranks of
+    a tensor-parallel engine (--engine-tp) sample their shards together, then each keeps its own: a rank's
+    trajectories do not depend on tp."""
+    first = rank - rank % tp
+    group = [i for r in range(first, first + tp) for i in shard_indices(num_prompts, r, world_size)]
+    return group, shard_indices(num_prompts, rank, world_size)
+
+
+def own_share(rollout, prompt_indices):
+    """The trajectories of these prompt indices, in order: a tensor-parallel group's rollout -> this rank's share
+    (.stats: the whole call's)."""
+    wanted = set(prompt_indices)
+    mine = Rollout(t for t in rollout if t["prompt_index"] in wanted)
+    mine.stats = rollout.stats
+    return mine
+
+
 # ----------------------------------------------------------------------------- CLI
 
 # per trajectory, summed by trajectory_sums (train.py's metrics average them): tokens decoded by the engine (every turn, a cut's dropped tail included:
@@ -343,6 +364,9 @@ def sampling_flags(**defaults):
     a("--engine", choices=("vllm", "hf"), default="vllm", help="vllm, or transformers (hf) for debugging")
     a("--engine-dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else "
                                              "float32; float32 for --engine hf) | bfloat16 | float32 | float16")
+    a("--engine-tp", type=positive_int, default=1,
+      help="ranks per vLLM engine (tensor parallel): K contiguous ranks share one engine and sample together; K "
+           "must divide the number of ranks and the model's attention and KV heads (default: %(default)s)")
     a("--gpu-memory-utilization", type=float, default=0.5, help="vLLM share of GPU memory (default: %(default)s)")
     a("--enforce-eager", action="store_true", help="vLLM without compilation (faster start-up)")
     a("--attn-implementation", default="varlen", choices=["varlen", "sdpa", "flash_attention_2", "eager"],
@@ -382,6 +406,8 @@ def check_sampling_args(args):
         die("--intervention-text is empty")
     if args.engine_dtype not in ("auto", "bfloat16", "float32", "float16"):
         die(f"--engine-dtype must be auto, bfloat16, float32 or float16, got {args.engine_dtype!r}")
+    if args.engine_tp > 1 and args.engine != "vllm":
+        die(f"--engine-tp {args.engine_tp} needs --engine vllm (the transformers engine runs on one rank)")
 
 
 def parse_args(argv=None):
@@ -413,20 +439,32 @@ def main(argv=None):
         prompts, n_cut = tokenize_prompts(tokenizer, records, args.max_prompt_length, args.truncate_prompts)
     except PromptTooLong as e:
         die(f"--data {args.data}: {e}")
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    check_tensor_parallel(model_path, args.engine_tp, world)
+    if world > 1:  # torchrun: each engine samples a shard, rank 0 writes them all
+        init_distributed()
     dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
-    print(f"[setup] {args.engine} engine dtype {dtype} ({why})", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(f"[setup] {args.engine} engine dtype {dtype} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(model_path, kind=args.engine, dtype=dtype, seed=args.seed,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                         enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation)
+                         enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation,
+                         distributed=world > 1, tp=args.engine_tp)
+    group, mine = group_shard(len(prompts), rank, world, args.engine_tp)
     t0 = time.perf_counter()
     try:
-        rollout = sample(engine, prompts, **sample_kwargs(args, intervention_ids(tokenizer, args.intervention_text),
-                                                          end_of_turn_ids(model_path, tokenizer)))
-    except (RolloutTimeout, PromptTooLong) as e:
+        rollout = sample(engine, [prompts[i] for i in group], prompt_indices=group,
+                         **sample_kwargs(args, intervention_ids(tokenizer, args.intervention_text),
+                                         end_of_turn_ids(model_path, tokenizer)))
+        seconds = time.perf_counter() - t0
+        rollout = gather_to_first(own_share(rollout, mine), key=lambda t: (t["prompt_index"], t["sample_index"]))
+    except (RolloutTimeout, PromptTooLong, RanksDisagree) as e:
         die(str(e))
     finally:
-        engine.close()
-    seconds = time.perf_counter() - t0
+        engine.close()  # (under torchrun, vLLM's teardown also ends the process group)
+    if rollout is None:  # not rank 0
+        return
+    rollout = Rollout(rollout)
     for t in rollout:
         t["id"] = records[t["prompt_index"]]["id"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

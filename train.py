@@ -170,7 +170,8 @@ def main(argv=None):
     quiet_logs(args.verbose)
     run = setup(args)  # process group, dtypes, data, models, engine; every rank
     state = resume(args, run) if args.resume else None  # the checkpoint's trainer state; None: a fresh run
-    guard = faults.Guard(run.rank, run.world, args.dist_timeout, args.shutdown_grace)  # SIGTERM, hung ranks
+    guard = faults.Guard(run.rank, run.world, args.dist_timeout, args.shutdown_grace,  # SIGTERM, hung ranks
+                         engine_group=run.engine.group)
     logger = make_logger(args, run.out) if run.master else None
     log = functools.partial(log_step, run, logger)
     val_history = logged_validations(run) if state else []
@@ -312,14 +313,18 @@ def save_or_keep(run, args, step, guard, rng):
 # ----------------------------------------------------------------------------- the method, step by step
 
 def sample_batch(run, args, step, desc=None, poll=None):
-    """This rank's shard of step `step`'s prompts (every rank sees the same order), n samples each. Seeds
-    depend on (seed, step, prompt, sample, turn) only: any world size samples the same batch. poll: rollout.sample's."""
+    """This rank's shard of step `step`'s prompts (every rank sees the same order), n samples each; a
+    tensor-parallel engine samples its ranks' shards together, each rank keeps its own. Seeds depend on (seed,
+    step, prompt, sample, turn) only: any world size and --engine-tp sample the same batch. poll: rollout.sample's."""
     epoch, pos = divmod(step - 1, run.steps_per_epoch)
     order = np.random.default_rng(args.seed + epoch).permutation(len(run.train_records))
     global_idx = order[pos * args.batch_size:(pos + 1) * args.batch_size]
-    idx = [int(global_idx[i]) for i in rollout.shard_indices(len(global_idx), run.rank, run.world)]
-    return rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx, desc=desc, poll=poll,
-                          **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, seed=args.seed * 1_000_003 + step))
+    group, mine = rollout.group_shard(len(global_idx), run.rank, run.world, args.engine_tp)
+    idx = [int(global_idx[i]) for i in group]
+    trajs = rollout.sample(run.engine, [run.train_prompts[i] for i in idx], prompt_indices=idx, desc=desc, poll=poll,
+                           **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids,
+                                                   seed=args.seed * 1_000_003 + step))
+    return rollout.own_share(trajs, [int(global_idx[i]) for i in mine])
 
 
 def score(trajs, records, args):
@@ -514,10 +519,11 @@ def validate(run, args, poll=None):
     them: no collective here, so a SIGTERM can stop one rank's shard early, poll, while the others wait at the
     phase's boundary)."""
     t0 = time.time()
-    idx = rollout.shard_indices(len(run.val_prompts), run.rank, run.world)
-    ro = rollout.sample(run.engine, [run.val_prompts[i] for i in idx], prompt_indices=idx,
+    group, mine = rollout.group_shard(len(run.val_prompts), run.rank, run.world, args.engine_tp)
+    ro = rollout.sample(run.engine, [run.val_prompts[i] for i in group], prompt_indices=group,
                         desc="validate" if run.master else None, poll=poll,
                         **rollout.sample_kwargs(args, run.intervention_ids, run.eos_ids, n=1, temperature=0.0))
+    ro = rollout.own_share(ro, mine)
     run.engine.sleep(keep_weights=True)  # KV cache freed for checkpointing and training; the weights sample next
     results = score(ro, run.val_records, args)
     return {"acc": sum(r["acc"] for r in results), **rollout.trajectory_sums(ro), "count": len(results),

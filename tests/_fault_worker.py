@@ -10,6 +10,7 @@ FAULT is KIND:STEP[:RANK[:N]]: at step STEP (on rank RANK, default every rank), 
                   ranks have finished their shards and wait for it when the signal lands
   kill-rollout    SIGKILL this process inside its rollout (once: the first attempt of a torchrun group)
   stall-rollout   sleep 600 s inside the rollout (once)
+  diverge-rollout this rank's tensor-parallel engine hands back one other token than its peers (--engine-tp)
 The wall time of the signal goes to $FAULT_TIME_FILE (when set). "Once" is a marker file in $FAULT_ONCE_DIR where that is
 set (the restart count cannot say it: an agent that restarts hung workers does not count that restart), else the
 first attempt by TORCHELASTIC_RESTART_COUNT."""
@@ -101,9 +102,19 @@ def validate(run, args, poll=None):
         validating[0] = False
 
 
+real_agree = engines.VLLMEngine._agree
+
+
+def agree(self, completions):
+    if here("diverge-rollout"):
+        completions[0].token_ids[-1] += 1
+    return real_agree(self, completions)
+
+
 print(f"[fault-worker] rank {me}, TORCHELASTIC_RESTART_COUNT {os.environ.get('TORCHELASTIC_RESTART_COUNT')}",
       file=sys.stderr, flush=True)
 train.sample_batch, train.token_logprobs, train.validate = sample_batch, token_logprobs, validate
 engines.HFEngine.generate = inside_generate(engines.HFEngine.generate)
 engines.VLLMEngine.generate = inside_generate(engines.VLLMEngine.generate)
+engines.VLLMEngine._agree = agree
 train.main(sys.argv[2:])

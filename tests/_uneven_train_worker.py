@@ -9,8 +9,11 @@ In a 2-rank run the key is the rank itself. In a 1-rank run it is the prompt's p
 modulo 2: train.py shards a step's batch and the validation set strided (`[rank::world]`, `range(rank, n, world)`),
 so position % 2 is the rank the prompt would have had. Both runs then produce the same trajectories, and their
 logged rollout and validation metrics must be equal (were the sharding different, they would not be).
+SCRIPT_TP=K (with --engine-tp K in the multi-rank run, and SCRIPT_WORLD=N there and in the 1-rank run): the key is
+the engine, rank // K, in the N-rank run, and (position % N) // K in the 1-rank run.
 Each rank writes OUT/calls_rank{R}.json: how many real generate calls it made."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -75,14 +78,16 @@ def main():
         box["engine"] = ScriptedEngine(real_make_engine(*a, **k), gold)
         return box["engine"]
 
+    tp, ranks = int(os.environ.get("SCRIPT_TP", 1)), int(os.environ.get("SCRIPT_WORLD", 2))
+
     def sample(engine, prompt_ids, *a, **k):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        engine.keys = {tuple(p): rank if world > 1 else pos % 2 for pos, p in enumerate(prompt_ids)}
+        engine.keys = {tuple(p): rank // tp if world > 1 else pos % ranks // tp for pos, p in enumerate(prompt_ids)}
         return real_sample(engine, prompt_ids, *a, **k)
 
     engines.make_engine, rollout.sample = make_engine, sample
-    rank = int(__import__("os").environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", 0))
     train.main(argv)
     Path(args.out, f"calls_rank{rank}.json").write_text(json.dumps({"calls": box["engine"].calls}))
 

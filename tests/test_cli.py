@@ -53,7 +53,9 @@ def test_old_names_are_gone(cli, flag, capsys):
                                           (["--top-p", "0"], "--top-p"), (["--max-turns", "-1"], "--max-turns"),
                                           (["--intervention-text", " "], "--intervention-text"),
                                           (["--engine-dtype", "int8"], "--engine-dtype"),
-                                          (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")])
+                                          (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+                                          (["--engine-tp", "0"], "--engine-tp"),
+                                          (["--engine", "hf", "--engine-tp", "2"], "--engine-tp")])
 def test_one_check_for_every_cli(flags, needle, capsys):
     for parse, own in CLIS.values():
         with pytest.raises(SystemExit) as e:
@@ -95,3 +97,19 @@ def test_the_readmes_evaluation_example_is_what_make_demo_runs_last():
     example = re.search(r"^python eval\.py (smollm2 runs/demo/step_000012 .*?)(?:#|$)", readme, re.M).group(1)
     assert shlex.split(example) == demo
     assert "$(PY) eval.py $(DEMO_EVAL_ARGS) --overwrite" in make.split("\ndemo:")[1].split("\n\n")[0]
+
+
+def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_dir, capsys):
+    """One line naming what K must divide, with the K that would work; nothing else."""
+    import engines
+
+    cases = [(smollm2_dir, 2, 2, "has 9 attention heads and 3 KV heads; K must divide both (1, 3)"),
+             (tiny_model_dir, 4, 4, "has 4 attention heads and 2 KV heads; K must divide both (1, 2)"),
+             (tiny_model_dir, 2, 3, "--engine-tp 2 must divide the number of ranks (3)")]
+    for path, tp, world, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            engines.check_tensor_parallel(path, tp, world)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
+    engines.check_tensor_parallel(tiny_model_dir, 2, 4)  # fits: no line, no exit
+    assert capsys.readouterr().err == ""

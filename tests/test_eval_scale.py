@@ -252,3 +252,16 @@ def test_the_journal_index_holds_places_not_tokens(tmp_path):
     got = journal.get(request_key([7], 4000, 0))
     assert got.token_ids == ids and not got.stopped and journal.get("no such key") is None
     print(f"journal index: {held / 2000:.0f} bytes per request; the tokens as Python lists: about {36 * 4000} bytes")
+
+
+def test_one_engine_over_two_ranks_writes_what_one_process_writes(pair, torchrun, vllm_two_rank_env, tmp_path):
+    """--engine-tp 2: both ranks share one tensor-parallel engine, sample the problems together and each scores its
+    own half; the second checkpoint reaches both halves of the engine through sync_weights. fp32: the same samples
+    as one process with one whole engine, token for token."""
+    first, other, one, _ = pair
+    env = {**vllm_two_rank_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    out = tmp_path / "tp"
+    r = torchrun("eval.py", first, other, *ARGS, "--engine-tp", "2", "--out", out, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert lines(out / "samples.jsonl") == lines(one / "samples.jsonl")
+    assert json.loads((out / "summary.json").read_text())["ranks"] == 2

@@ -95,3 +95,33 @@ def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_tw
     # rank 0 made one engine call per rollout (2 steps + 3 validations), rank 1 three
     calls = [json.loads((tmp_path / "two" / f"calls_rank{r}.json").read_text())["calls"] for r in range(2)]
     assert calls == [5, 15], calls
+
+
+@pytest.mark.timeout(1300)  # two runs of up to 600 s each
+def test_two_tensor_parallel_engines_on_four_ranks_with_uneven_turns(tiny_model_dir, tmp_path, vllm_two_rank_env,
+                                                                     torchrun):
+    """4 ranks with --engine-tp 2: two engines of two ranks each. The script answers at once on engine 0's prompts
+    and takes every turn on engine 1's, so the two make 1 and 3 calls per rollout and validation, each pair of
+    ranks in step. The run finishes, each rank trains on its own half of its engine's samples, and every logged
+    rollout and validation metric equals a 1-rank run's with the same script (keyed on the prompt's engine)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and torch.cuda.device_count() < 4:
+        pytest.skip("4 ranks with vLLM's CUDA build need 4 GPUs")
+    env = {**vllm_two_rank_env, "SCRIPT_TP": "2", "SCRIPT_WORLD": "4", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    worker = ROOT / "tests" / "_uneven_train_worker.py"
+    four = torchrun(worker, *uneven_args(tiny_model_dir, tmp_path / "four"), "--engine-tp", "2", env=env, nproc=4,
+                    timeout=600)
+    assert four.returncode == 0, four.stdout[-3000:] + four.stderr[-5000:]
+    one = run_script(worker, *uneven_args(tiny_model_dir, tmp_path / "one"), env=env, timeout=600)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "four")}
+    assert [r["step"] for r in rows["four"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
+    for a, b in zip(rows["one"], rows["four"]):
+        keys = (METRICS if a["step"] else []) + VAL_METRICS
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a["step"], a, b)
+    for r in rows["four"][1:]:
+        assert r["turns/mean"] == 2.0 and r["reward/mean"] == 0.5, r
+    calls = [json.loads((tmp_path / "four" / f"calls_rank{r}.json").read_text())["calls"] for r in range(4)]
+    assert calls == [5, 5, 15, 15], calls  # 2 rollouts + 3 validations: one call each on engine 0, three on engine 1

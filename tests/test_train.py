@@ -73,6 +73,51 @@ def test_resume_reproduces_uninterrupted_run(three_steps, tiny_model_dir, tmp_pa
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
 
 
+def resume_from_step_2(three_steps, out):
+    out.mkdir()
+    shutil.copytree(three_steps / "step_000002", out / "step_000002")
+    (out / "latest").symlink_to("step_000002")
+
+
+@pytest.mark.timeout(1900)  # the fixture's run and two of one step: up to 900 s each
+def test_engine_tp_stops_both_ranks_on_one_signal_and_resumes_a_one_engine_run(three_steps, tiny_model_dir, tmp_path,
+                                                                                 vllm_two_rank_env, torchrun):
+    """--engine-tp 2 on 2 ranks: one engine over both. The one-engine-per-rank run's step 2 resumes with it. A SIGTERM
+    that reaches rank 0 alone inside step 3's rollout stops both ranks at the same engine step (the engine's ranks
+    decide together: rank 1 would otherwise wait inside the next step for ever), and resumed once more the run
+    logs the step-3 line of the one-engine-per-rank run: the same samples, the same update to 1e-4."""
+    out = tmp_path / "tp"
+    resume_from_step_2(three_steps, out)
+    tp = train_args(tiny_model_dir, out, 3, "--save-freq", "2", "--engine-tp", "2", "--resume")
+    stopped = torchrun(ROOT / "tests" / "_fault_worker.py", "term-rollout:3:0", *tp, env=vllm_two_rank_env, timeout=600)
+    assert "SIGTERM at step 3 (rollout): checkpointed step 2" in stopped.stdout, stopped.stderr[-3000:]
+    assert stopped.returncode != 0 and "no checkpoint within --shutdown-grace" not in stopped.stderr
+    train_on_two_ranks(torchrun, tp, vllm_two_rank_env)
+    full, resumed = metrics(three_steps)[-1], metrics(out)[-1]
+    assert resumed["step"] == full["step"] == 3
+    for key in ("reward/mean", "decoded_tokens/mean", "turns/mean"):
+        assert resumed[key] == full[key], key
+    for key in ("loss/pg", "loss/vf", "kl/mean", "actor/entropy", "actor/approx_kl", "actor/grad_norm"):
+        assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
+
+
+@pytest.mark.timeout(1000)
+def test_ranks_of_one_engine_that_decode_different_tokens_stop_in_one_line(three_steps, tiny_model_dir, tmp_path,
+                                                                          vllm_two_rank_env, torchrun):
+    """Rank 1's share of a tensor-parallel engine hands back one other token in step 3's rollout (vLLM itself would
+    go on with garbled text): every rank names the ranks and the step in one line, exit 1, nothing checkpointed."""
+    out = tmp_path / "tp"
+    resume_from_step_2(three_steps, out)
+    tp = train_args(tiny_model_dir, out, 3, "--engine-tp", "2", "--resume")
+    proc = torchrun(ROOT / "tests" / "_fault_worker.py", "diverge-rollout:3:1", *tp, env=vllm_two_rank_env, timeout=600)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all(e == errors[0] for e in errors), proc.stderr[-3000:]
+    assert errors[0].startswith("error: step 3, rollout: ranks 0, 1 share one engine (--engine-tp 2) but rank(s) 1 "
+                                "decoded other tokens than rank 0"), errors
+    assert os.readlink(out / "latest") == "step_000002" and not (out / "step_000003").exists()
+
+
 @pytest.mark.vllm  # an engine of its own, besides the fixture's run
 @pytest.mark.timeout(1000)
 def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir):
@@ -133,6 +178,9 @@ def test_bad_flags_exit_2(tiny_model_dir, tmp_path):
     assert proc.returncode == 2 and "--mini-batch-size" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("train.py", "--data", tmp_path / "missing.jsonl", "--model", tiny_model_dir)
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("train.py", *train_args("smollm2", tmp_path / "tp", 1), "--engine-tp", "3")
+    assert proc.returncode == 2 and "--engine-tp 3 must divide the number of ranks (1)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "tp").exists()  # refused before --out is made
 
 
 NAN_WORKER = """

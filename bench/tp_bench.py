@@ -1,0 +1,82 @@
+"""One engine per rank against one engine over K ranks (--engine-tp), on the same ranks, one run each:
+
+    torchrun --nproc_per_node 2 bench/tp_bench.py --engine-tp 1
+    torchrun --nproc_per_node 2 bench/tp_bench.py --engine-tp 2
+
+Each engine group samples its share of the same requests (the trainer's sharding: rollout.group_shard), every
+request decoding --tokens tokens (EOS ignored, so both settings decode the same count). Reported by rank 0 as one
+JSON line: engine start, decoded tokens/s over the whole world (each token counted once, not once per rank of its
+engine), one full weight sync (the trainer's full_state_dict path: every rank gathers each tensor, the engine keeps
+its share) and each rank's peak resident memory. The model: a random Llama of SmolLM2-135M's size whose heads split
+in two (8 heads, 4 KV heads; SmolLM2's 9 and 3 do not), written once to --model-dir.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engines  # noqa: E402
+import model  # noqa: E402
+import rollout  # noqa: E402
+from parallel import full_state_dict, init_distributed, shard  # noqa: E402
+from system import peak_rss_gb  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument("--model-dir", default="runs/tp-bench-model")
+    p.add_argument("--requests", type=int, default=32, help="requests in all, over every engine")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per request")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    args = p.parse_args()
+    rank, world, _, device = init_distributed()
+    path = Path(args.model_dir)
+    if rank == 0 and not (path / "config.json").exists():
+        model.make_tiny(path, hidden=512, layers=30, heads=8, kv_heads=4, intermediate=1536)
+    dist.barrier()
+    engines.check_tensor_parallel(str(path), args.engine_tp, world)
+    res = {"engine_tp": args.engine_tp, "ranks": world}
+    t0 = time.perf_counter()
+    engine = engines.make_engine(str(path), dtype="float32", seed=0, max_model_len=args.prompt_tokens + args.tokens,
+                                 enforce_eager=True, distributed=True, tp=args.engine_tp)
+    res["start_s"] = round(time.perf_counter() - t0, 2)
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 40000, (args.requests, args.prompt_tokens), generator=gen).tolist()
+    group, _ = rollout.group_shard(len(prompts), rank, world, args.engine_tp)
+    engine.generate([prompts[i] for i in group[:2]], 4, temperature=1.0, seed=0, eos_ids=[])  # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = engine.generate([prompts[i] for i in group], args.tokens, temperature=1.0, seed=group, eos_ids=[])
+    dist.barrier()  # the slowest engine's time
+    seconds = time.perf_counter() - t0
+    leader = rank % args.engine_tp == 0  # one rank per engine counts its tokens
+    tokens = torch.tensor([float(sum(len(c.token_ids) for c in out)) if leader else 0.0])
+    dist.all_reduce(tokens)
+    res.update(decode_s=round(seconds, 2), tokens=int(tokens.item()), tokens_per_s=round(tokens.item() / seconds, 1))
+
+    trainer = model.load_causal_lm(str(path))  # the trainer's copy, FSDP2-sharded as train.py shards it
+    shard(trainer)
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.sync_weights(full_state_dict(trainer, engine.dtype))
+    dist.barrier()
+    res["sync_s"] = round(time.perf_counter() - t0, 3)
+    rss = [None] * world
+    dist.all_gather_object(rss, round(peak_rss_gb(), 2))
+    res["peak_rss_gb_per_rank"] = rss
+    if rank == 0:
+        print(json.dumps(res), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
