@@ -344,3 +344,25 @@ def test_cli_errors_exit_2(tiny_model_dir, tmp_path):
     proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--intervene-on", "never", "--out", str(out))
     assert proc.returncode == 2 and "--intervene-on" in proc.stderr
     assert not out.exists()
+
+
+def test_cli_on_one_engine_over_two_ranks_writes_what_one_process_writes(tiny_model_dir, tmp_path, vllm_two_rank_env,
+                                                                         torchrun):
+    """torchrun rollout.py --engine-tp 2: the two ranks sample every prompt on their one engine, rank 0 writes. fp32:
+    the same trajectories as one process, token for token; log-probs to float rounding (the engine's matmuls are
+    summed in two halves)."""
+    argv = ["--model", tiny_model_dir, "--data", "arith_test", "--limit", "3", "--samples-per-prompt", "2",
+            "--max-turns", "1", "--turn-tokens", "8", "--temperature", "1.0", "--engine-dtype", "float32",
+            "--enforce-eager"]
+    env = {**vllm_two_rank_env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    one = run_script("rollout.py", *argv, "--out", tmp_path / "one.jsonl", env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun("rollout.py", *argv, "--engine-tp", "2", "--out", tmp_path / "two.jsonl", env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = {k: [json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in ("one", "two")}
+    assert len(rows["two"]) == 6
+    for a, b in zip(rows["one"], rows["two"]):
+        assert {k: v for k, v in a.items() if k != "rollout_logprobs"} == \
+            {k: v for k, v in b.items() if k != "rollout_logprobs"}
+        assert b["rollout_logprobs"] == pytest.approx(a["rollout_logprobs"], abs=1e-5)
+    assert json.loads(two.stdout.strip().splitlines()[-1])["trajectories"] == 6  # rank 0's summary of both
