@@ -71,29 +71,36 @@ def uneven_args(model_dir, out):
             "--micro-batch-tokens", "200"]
 
 
+def uneven_runs(torchrun, model_dir, tmp_path, env, nproc=2, extra=()):
+    """tests/_uneven_train_worker.py on `nproc` ranks and on one -> the multi-rank run's metrics.jsonl rows, after
+    checking that every logged rollout and validation metric equals the 1-rank run's."""
+    worker = ROOT / "tests" / "_uneven_train_worker.py"
+    many = torchrun(worker, *uneven_args(model_dir, tmp_path / "many"), *extra, env=env, nproc=nproc, timeout=600)
+    assert many.returncode == 0, many.stdout[-3000:] + many.stderr[-5000:]
+    one = run_script(worker, *uneven_args(model_dir, tmp_path / "one"), env=env, timeout=600)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "many")}
+    assert [r["step"] for r in rows["many"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
+    for a, b in zip(rows["one"], rows["many"]):
+        keys = (METRICS if a["step"] else []) + VAL_METRICS
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a["step"], a, b)
+    return rows["many"]
+
+
 @pytest.mark.timeout(1300)  # two runs of up to 600 s each
 def test_uneven_turns_two_ranks_match_one_rank(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
     """The real train.py on 2 ranks, scripted so that every rank-0 trajectory answers in its first turn and every
     rank-1 trajectory takes all 3 turns (and validation shards of 2 and 1 prompts): it finishes, and every logged
     rollout and validation metric equals a 1-rank run over the same data (tests/_uneven_train_worker.py)."""
     env = vllm_two_rank_env
-    worker = ROOT / "tests" / "_uneven_train_worker.py"
-    two = torchrun(worker, *uneven_args(tiny_model_dir, tmp_path / "two"), env=env, timeout=600)
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
-    one = run_script(worker, *uneven_args(tiny_model_dir, tmp_path / "one"), env=env, timeout=600)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
-    rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "two")}
-    assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
-    for a, b in zip(rows["one"], rows["two"]):
-        keys = (METRICS if a["step"] else []) + VAL_METRICS
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a["step"], a, b)
+    rows = uneven_runs(torchrun, tiny_model_dir, tmp_path, env)
     # the script did what it says: half the trajectories answered in turn 1 (correctly), half took all 3 turns
-    for r in rows["two"][1:]:
+    for r in rows[1:]:
         assert r["turns/mean"] == 2.0 and r["interventions/mean"] == 1.0 and r["reward/mean"] == 0.5, r
     # validation: 2 prompts on rank 0 (1 turn each), 1 on rank 1 (3 turns)
-    assert rows["two"][0]["val/turns"] == pytest.approx(5 / 3) and rows["two"][0]["val/acc"] == pytest.approx(2 / 3)
+    assert rows[0]["val/turns"] == pytest.approx(5 / 3) and rows[0]["val/acc"] == pytest.approx(2 / 3)
     # rank 0 made one engine call per rollout (2 steps + 3 validations), rank 1 three
-    calls = [json.loads((tmp_path / "two" / f"calls_rank{r}.json").read_text())["calls"] for r in range(2)]
+    calls = [json.loads((tmp_path / "many" / f"calls_rank{r}.json").read_text())["calls"] for r in range(2)]
     assert calls == [5, 15], calls
 
 
@@ -110,18 +117,8 @@ def test_two_tensor_parallel_engines_on_four_ranks_with_uneven_turns(tiny_model_
     if not current_platform.is_cpu() and torch.cuda.device_count() < 4:
         pytest.skip("4 ranks with vLLM's CUDA build need 4 GPUs")
     env = {**vllm_two_rank_env, "SCRIPT_TP": "2", "SCRIPT_WORLD": "4", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    worker = ROOT / "tests" / "_uneven_train_worker.py"
-    four = torchrun(worker, *uneven_args(tiny_model_dir, tmp_path / "four"), "--engine-tp", "2", env=env, nproc=4,
-                    timeout=600)
-    assert four.returncode == 0, four.stdout[-3000:] + four.stderr[-5000:]
-    one = run_script(worker, *uneven_args(tiny_model_dir, tmp_path / "one"), env=env, timeout=600)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
-    rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "four")}
-    assert [r["step"] for r in rows["four"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]
-    for a, b in zip(rows["one"], rows["four"]):
-        keys = (METRICS if a["step"] else []) + VAL_METRICS
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a["step"], a, b)
-    for r in rows["four"][1:]:
+    rows = uneven_runs(torchrun, tiny_model_dir, tmp_path, env, nproc=4, extra=("--engine-tp", "2"))
+    for r in rows[1:]:
         assert r["turns/mean"] == 2.0 and r["reward/mean"] == 0.5, r
-    calls = [json.loads((tmp_path / "four" / f"calls_rank{r}.json").read_text())["calls"] for r in range(4)]
+    calls = [json.loads((tmp_path / "many" / f"calls_rank{r}.json").read_text())["calls"] for r in range(4)]
     assert calls == [5, 5, 15, 15], calls  # 2 rollouts + 3 validations: one call each on engine 0, three on engine 1

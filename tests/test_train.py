@@ -24,6 +24,9 @@ def train_args(model_dir, out, steps, *extra):
             *extra]
 
 
+VALIDATE = ["--val-data", "arith_test", "--val-limit", "4", "--val-freq", "3"]  # greedy, after step 3
+
+
 def train_on_two_ranks(torchrun, args, env):
     proc = torchrun("train.py", *args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -36,9 +39,9 @@ def metrics(out):
 
 @pytest.fixture(scope="module")
 def three_steps(tiny_model_dir, tmp_path_factory, vllm_two_rank_env, torchrun):
-    """An uninterrupted 3-step run on 2 ranks that checkpoints at steps 2 and 3."""
+    """An uninterrupted 3-step run on 2 ranks that checkpoints at steps 2 and 3 and validates after step 3."""
     out = tmp_path_factory.mktemp("train") / "full"
-    train_on_two_ranks(torchrun, train_args(tiny_model_dir, out, 3, "--save-freq", "2"), vllm_two_rank_env)
+    train_on_two_ranks(torchrun, train_args(tiny_model_dir, out, 3, "--save-freq", "2", *VALIDATE), vllm_two_rank_env)
     return out
 
 
@@ -85,17 +88,18 @@ def test_engine_tp_stops_both_ranks_on_one_signal_and_resumes_a_one_engine_run(t
     """--engine-tp 2 on 2 ranks: one engine over both. The one-engine-per-rank run's step 2 resumes with it. A SIGTERM
     that reaches rank 0 alone inside step 3's rollout stops both ranks at the same engine step (the engine's ranks
     decide together: rank 1 would otherwise wait inside the next step for ever), and resumed once more the run
-    logs the step-3 line of the one-engine-per-rank run: the same samples, the same update to 1e-4."""
+    logs the step-3 line of the one-engine-per-rank run: the same samples, the same update to 1e-4, the same greedy
+    validation."""
     out = tmp_path / "tp"
     resume_from_step_2(three_steps, out)
-    tp = train_args(tiny_model_dir, out, 3, "--save-freq", "2", "--engine-tp", "2", "--resume")
+    tp = train_args(tiny_model_dir, out, 3, "--save-freq", "2", *VALIDATE, "--engine-tp", "2", "--resume")
     stopped = torchrun(ROOT / "tests" / "_fault_worker.py", "term-rollout:3:0", *tp, env=vllm_two_rank_env, timeout=600)
     assert "SIGTERM at step 3 (rollout): checkpointed step 2" in stopped.stdout, stopped.stderr[-3000:]
     assert stopped.returncode != 0 and "no checkpoint within --shutdown-grace" not in stopped.stderr
     train_on_two_ranks(torchrun, tp, vllm_two_rank_env)
     full, resumed = metrics(three_steps)[-1], metrics(out)[-1]
     assert resumed["step"] == full["step"] == 3
-    for key in ("reward/mean", "decoded_tokens/mean", "turns/mean"):
+    for key in ("reward/mean", "decoded_tokens/mean", "turns/mean", "val/acc", "val/decoded_tokens", "val/turns"):
         assert resumed[key] == full[key], key
     for key in ("loss/pg", "loss/vf", "kl/mean", "actor/entropy", "actor/approx_kl", "actor/grad_norm"):
         assert resumed[key] == pytest.approx(full[key], abs=1e-4), key
