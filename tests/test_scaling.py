@@ -78,3 +78,18 @@ def test_32b_fits_only_with_offload():
 def test_the_doc_is_what_the_script_prints():
     """Regenerate with `python bench/scaling.py --write docs/scaling.md` when this fails."""
     assert scaling.generated(ROOT / "docs" / "scaling.md") == scaling.render(DEFAULTS)
+
+
+def test_every_command_line_of_the_plan_parses():
+    """docs/scaling.md's and the README's train.py command lines use flags train.py has, with values it takes."""
+    import shlex
+
+    import train
+
+    lines = [line for doc in ("docs/scaling.md", "README.md") for line in (ROOT / doc).read_text().splitlines()
+             if ("train.py --model /path/to/DeepSeek" in line or line.startswith("$T --model"))]
+    assert len(lines) >= 8, lines
+    for line in lines:
+        argv = shlex.split(line.split("train.py", 1)[1] if "train.py" in line else line[len("$T"):])
+        args = train.parse_args(argv)
+        assert args.data == "data/limo"
