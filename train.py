@@ -5,8 +5,8 @@
 
 Per step (main): rollout (multi-turn, vLLM) -> score -> reference/old log-probs and values -> advantages
 over action tokens -> PPO epochs (actor, critic) -> sync weights to the engine -> log -> validate ->
-checkpoint. Every rank owns one vLLM engine and samples its own shard of the global batch; actor, critic
-and reference are FSDP2-sharded across ranks. Each phase ends where every rank arrives together (faults.py):
+checkpoint. Every rank owns one vLLM engine (or shares one with the K-1 ranks beside it: --engine-tp K) and
+samples its own shard of the global batch; actor, critic and reference are FSDP2-sharded across ranks. Each phase ends where every rank arrives together (faults.py):
 a SIGTERM stops all of them at the same point with a checkpoint, a rank that hangs is named.
 
 The objective (Zhao et al., "MuTIS", EMNLP 2025, eq. 2-3): a trajectory interleaves the policy's tokens
