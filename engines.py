@@ -111,6 +111,8 @@ def check_tensor_parallel(model_path, tp, world):
 
 
 class VLLMEngine:
+    tp, members, group = 1, [0], None  # tensor parallel: the ranks sharing this engine, a gloo group over them
+
     def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                  distributed=False, enforce_eager=False, kv_cache_gib=None, tp=1):
         """tp > 1: one engine over tp contiguous ranks (tensor parallel, distributed=True); each of them builds it,
@@ -364,6 +366,7 @@ class VLLMEngine:
 
 class HFEngine:
     """Batched sampling with a KV cache in plain transformers: slow, simple, for debugging and cross-checks."""
+    group = None  # one rank per engine (--engine-tp is vLLM's)
 
     def __init__(self, model_path, dtype, seed=0, max_model_len=None, device=None, attn_implementation="sdpa"):
         self.device = default_device(device)
@@ -375,7 +378,6 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.max_model_len = max_model_len or context_length(model_path)
         self.seed = seed
-        self.group = None  # one rank per engine (--engine-tp is vLLM's)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
