@@ -8,10 +8,18 @@ import sys
 from pathlib import Path
 
 
+def error_line(msg):
+    """'error: msg' as one line to write at once (ranks sharing a pipe cannot split it), starting a line of its own:
+    a tqdm bar redraws itself with \\r and has no newline until it closes."""
+    from tqdm import tqdm
+
+    drawn = len(getattr(tqdm, "_instances", ()))  # the open bars (a disabled bar does not register)
+    return ("\n" if drawn else "") + "error: " + str(msg).replace("\n", " ") + "\n"
+
+
 def die(msg):
     """A bad input: one line on stderr, exit code 2."""
-    line = "error: " + str(msg).replace("\n", " ") + "\n"
-    sys.stderr.write(line)  # one write: ranks sharing a pipe (PYTHONUNBUFFERED) cannot split the line
+    sys.stderr.write(error_line(msg))
     sys.stderr.flush()
     raise SystemExit(2)
 

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from cli import error_line
 from parallel import RanksDisagree, group_any, wait_for_keys
 
 ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
@@ -86,9 +87,9 @@ class Guard:
         t0 = time.monotonic()
         while not self.done.wait(0.2):
             if time.monotonic() - t0 > self.grace and not self.writing:
-                sys.stderr.write(f"error: SIGTERM: no checkpoint within --shutdown-grace {self.grace:g}s (step "
-                                 f"{self.step}, {self.where}: another rank did not get there, or the phase outlasted "
-                                 f"the grace); exiting\n")
+                sys.stderr.write(error_line(f"SIGTERM: no checkpoint within --shutdown-grace {self.grace:g}s (step "
+                                            f"{self.step}, {self.where}: another rank did not get there, or the phase "
+                                            f"outlasted the grace); exiting"))
                 sys.stderr.flush()
                 os._exit(PREEMPTED)
 
@@ -156,7 +157,7 @@ class Guard:
         return any(f == b"1" for f in flags)
 
     def _die(self, what):
-        sys.stderr.write(f"error: step {self.step}, {self.where}: {what}\n")
+        sys.stderr.write(error_line(f"step {self.step}, {self.where}: {what}"))
         sys.stderr.flush()
         self.done.set()
         os._exit(1)  # not SystemExit: the process group's teardown would wait on the missing rank

@@ -2,6 +2,7 @@
 import pytest
 
 import eval as ev
+from cli import die
 import rollout
 import train
 
@@ -113,3 +114,16 @@ def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_d
         assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
     engines.check_tensor_parallel(tiny_model_dir, 2, 4)  # fits: no line, no exit
     assert capsys.readouterr().err == ""
+
+
+def test_an_error_while_a_progress_bar_is_drawn_starts_a_line_of_its_own(capsys):
+    """A tqdm bar redraws itself with \\r and has no newline yet: an error written after it must not read as the bar's
+    tail (every rank's 'error:' line is found at a line start by users' greps and by these tests)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=4, desc="step 3 rollout")
+    bar.update(1)
+    with pytest.raises(SystemExit):
+        die("bad input")
+    bar.close()
+    assert "error: bad input" in capsys.readouterr().err.splitlines()
