@@ -10,11 +10,13 @@ from pathlib import Path
 
 def error_line(msg):
     """'error: msg' as one line to write at once (ranks sharing a pipe cannot split it), starting a line of its own:
-    a tqdm bar redraws itself with \\r and has no newline until it closes."""
+    a tqdm bar redraws itself with \\r and has no newline until it closes, whether it is this process's or, under
+    torchrun, local rank 0's on the terminal this rank shares."""
     from tqdm import tqdm
 
-    drawn = len(getattr(tqdm, "_instances", ()))  # the open bars (a disabled bar does not register)
-    return ("\n" if drawn else "") + "error: " + str(msg).replace("\n", " ") + "\n"
+    drawn = len(getattr(tqdm, "_instances", ()))  # this process's open bars (a disabled bar does not register)
+    shared = os.environ.get("LOCAL_RANK", "0") != "0"
+    return ("\n" if drawn or shared else "") + "error: " + str(msg).replace("\n", " ") + "\n"
 
 
 def die(msg):
