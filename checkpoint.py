@@ -1,8 +1,10 @@
 """Training checkpoints: written atomically, verified before they are trusted, free of pickle where we read them, and
 loadable on another number of ranks.
 
-    OUT/step_N/actor/, critic/      the HF export (safetensors: safe to share)
-    OUT/step_N/sharded/             each model's and optimiser's FSDP2 state (torch.distributed.checkpoint)
+    OUT/step_N/actor/, critic/      the HF export (safetensors: safe to share); with LoRA the merged models
+    OUT/step_N/adapter/             LoRA only: the actor's adapters in PEFT's layout, on the base --model
+    OUT/step_N/sharded/             each model's and optimiser's FSDP2 state (torch.distributed.checkpoint): the
+                                    trained parameters only (LoRA: the adapters; trainer_state has the base's digests)
     OUT/step_N/rng_rankR.json       each rank's Python, NumPy and torch RNG states
     OUT/step_N/trainer_state.json   step, schedulers, KL controller, arguments (and a pending validation)
     OUT/step_N/manifest.json        every file's size and SHA-256 (hashed while written), written last
@@ -52,8 +54,6 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
     optimiser), "critic": ...}. rng: this rank's RNG states to record (rng_states(); default: now). export=False (a
     preemption's checkpoint): no actor/ and critic/ export, only what --resume needs. keep_last: prune older
     checkpoints of this run (trainer_state's run_id), never another run's. Every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     out, rank = Path(out), parallel._rank()
     final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
     if rank == 0:
@@ -62,10 +62,12 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
     parallel.barrier()
     try:
         if export:
-            parallel.save_hf(models["actor"][0], tokenizer, tmp / "actor")
+            adapters = trainer_state.get("lora")  # LoRA: the merged model, and the adapters in PEFT's layout
+            parallel.save_hf(models["actor"][0], tokenizer, tmp / "actor",
+                             **dict(adapter_dir=tmp / "adapter", base=adapters["base"]) if adapters else {})
             if "critic" in models:
                 parallel.save_critic(models["critic"][0], tmp / "critic")
-        sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
+        sharded = {name: _trained_state(m, o) for name, (m, o) in models.items()}
         # one file per writer thread: serialising and writing ~12 bytes per parameter is most of a preemption's grace
         writer = _HashingWriter(str(tmp / "sharded"), thread_count=min(8, torch.get_num_threads()))
         dcp.save(sharded, storage_writer=writer)
@@ -102,6 +104,34 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
                     shutil.rmtree(old, ignore_errors=True)
     parallel.barrier()
     return final
+
+
+def _trained_only(model):
+    """get_state_dict's and set_state_dict's options: trained parameters only, strict only where nothing is frozen."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=all(p.requires_grad for p in model.parameters()))
+
+
+def _trained_state(model, optim):
+    """{"model", "optim"}: what a checkpoint holds of them, the trained parameters (with LoRA the adapters and a
+    critic's head; the frozen base is --model's, verified on resume by its digests) and their optimiser state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optim, options=_trained_only(model))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:  # a tied head's second name: ignore_frozen_params drops the first only
+            model_state.pop(name, None)
+    return {"model": model_state, "optim": optim_state}
+
+
+def base_digests(model_dir):
+    """{file: [size, sha256]} of a model directory's weights and config: what a LoRA checkpoint records of its frozen
+    base. Every rank calls it and hashes every world-th file."""
+    rank, world = parallel._rank(), parallel._world()
+    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    mine = {p.name: file_digest(p) for p in files[rank::world]}
+    return dict(sorted(item for part in parallel.all_gather_object(mine) for item in part.items()))
 
 
 def run_of(ckpt):
@@ -359,10 +389,10 @@ class _SafePlanner(DefaultLoadPlanner):
 def load_checkpoint(path, models):
     """Restore what save_checkpoint wrote into the models and optimisers and this rank's RNGs, on any number of
     ranks (the module docstring) -> trainer_state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
-    sharded = {name: dict(zip(("model", "optim"), get_state_dict(m, o))) for name, (m, o) in models.items()}
+    sharded = {name: _trained_state(m, o) for name, (m, o) in models.items()}
     try:
         reader = _SafeReader(str(path / "sharded"), read_metadata(path / "sharded"))
         dcp.load(sharded, storage_reader=reader, planner=_SafePlanner())
@@ -375,7 +405,8 @@ def load_checkpoint(path, models):
             raise
         die(f"--resume: {path}/sharded: {unsafe[0]}; not loading it")
     for name, (m, o) in models.items():
-        set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"])
+        set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"],
+                       options=_trained_only(m))
     old_world = len(list(path.glob("rng_rank*.json")))
     set_rng_states(json.loads((path / f"rng_rank{parallel._rank() % old_world}.json").read_text()))
     return json.loads((path / "trainer_state.json").read_text())

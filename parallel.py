@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import lora
 from cli import die
 from model import VALUE_HEAD_FILE, ValueModel, decoder_layers
 
@@ -230,12 +231,14 @@ def persistent_buffers(model):
 
 # ----------------------------------------------------------------------------- loading each rank's shard
 
-def load_sharded(build, path, device, **shard_kwargs):
+def load_sharded(build, path, device, init_missing=None, **shard_kwargs):
     """shard(build(meta=...)) with the weights of `path`, without any rank ever holding the whole model: the model is
     built on the meta device, sharded, allocated shard by shard on `device` (CPU with --offload), and each rank
     reads only its own rows of each tensor from the safetensors files (one tensor at a time; no communication,
     and the node's page cache serves all ranks). build(meta=...) -> the model (model.load_causal_lm/load_critic).
-    A path without local safetensors files (a hub id, .bin weights) is loaded whole and then sharded."""
+    init_missing(name, full shape) -> the full starting value of a tensor the files do not hold (LoRA adapters:
+    lora.initial_value), or None. A path without local safetensors files (a hub id, .bin weights) is loaded whole
+    and then sharded (build initialises what the files lack)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         return shard(build(meta=False).to(device), **shard_kwargs)
@@ -248,7 +251,7 @@ def load_sharded(build, path, device, **shard_kwargs):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
     _rebuild_buffers(model)
-    _fill_shards(model, path, files)
+    _fill_shards(model, path, files, init_missing)
     return model
 
 
@@ -299,10 +302,11 @@ def read_rows(entry, start, out):
         out.copy_(buf)
 
 
-def _fill_shards(model, path, files):
+def _fill_shards(model, path, files, init_missing=None):
     """Copy this rank's rows of every parameter and persistent buffer from the safetensors files of `path`
     (a causal LM, or a save_critic directory with value_head.safetensors). FSDP2 shards dim 0 as torch.chunk
-    does: rank r holds rows [r * ceil(n / world), ...) of an n-row tensor. A critic's missing head starts at 0."""
+    does: rank r holds rows [r * ceil(n / world), ...) of an n-row tensor. A critic's missing head starts at 0;
+    other missing tensors take their rows of init_missing's value (load_sharded)."""
     from torch.distributed.tensor import DTensor
 
     index = safetensors_index(files)
@@ -317,17 +321,20 @@ def _fill_shards(model, path, files):
             if key is None and name.startswith("value_head."):
                 local.zero_()  # ValueModel's head starts at exactly 0
                 continue
-            if key is None:
+            initial = init_missing(name, tuple(tensor.shape)) if key is None and init_missing else None
+            if key is None and initial is None:
                 raise ValueError(f"{path}: its safetensors files hold no tensor {keys[-1]!r}")
-            full, start = index[key][2], 0
+            full, start = list(initial.shape) if initial is not None else index[key][2], 0
             if list(full[1:]) != list(local.shape[1:]) or (local.dim() == 0) != (len(full) == 0):
-                raise ValueError(f"{path}: {key} has shape {full}, the model's {name} {list(tensor.shape)}")
+                raise ValueError(f"{path}: {key or name} has shape {full}, the model's {name} {list(tensor.shape)}")
             if isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1:
                 chunk = -(-full[0] // tensor.device_mesh.size())
                 start = tensor.device_mesh.get_local_rank() * chunk
                 if local.shape[0] != max(0, min(chunk, full[0] - start)):
                     raise AssertionError(f"{name}: a local shard of {local.shape[0]} rows is not torch.chunk's")
-            if local.numel():
+            if initial is not None:
+                local.copy_(initial[start:start + local.shape[0]])
+            elif local.numel():
                 read_rows(index[key], start, local)
 
 
@@ -408,14 +415,16 @@ def reshard(*models):
 
 
 def _gather_to_cpu(model, dtype):
-    """{HF name: full CPU tensor} on rank 0, {} on the others; a collective, so every rank calls it.
+    """({HF name: full CPU tensor}, {adapter name: tensor}) on rank 0, ({}, {}) on the others; a collective, so every
+    rank calls it. LoRA adapters are merged into their weights in fp32 (lora.merge_state) and returned apart.
     dtype: cast floating tensors to it (None keeps theirs). Tied weights stay one tensor under both
     names, which tells save_pretrained to write it once."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state, adapters = lora.merge_state(state, model)
     if not state:
-        return state
+        return state, adapters
     names = {}  # id(parameter) -> its names; a tied weight has several
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -426,7 +435,7 @@ def _gather_to_cpu(model, dtype):
     for name, t in state.items():
         if dtype is not None and t.is_floating_point():
             state[name] = cast.setdefault(id(t), t.to(dtype))
-    return state
+    return state, adapters
 
 
 @contextlib.contextmanager
@@ -467,17 +476,20 @@ def _save_pretrained(module, tmp, state, dtype, max_shard_size):
         config.save_pretrained(tmp)
 
 
-def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB"):
+def save_hf(model, tokenizer, out_dir, dtype=torch.bfloat16, max_shard_size="5GB", adapter_dir=None, base=None):
     """A causal LM directory that transformers and vLLM load, written by save_pretrained: safetensors
     shards of at most max_shard_size (model.safetensors when one is enough, else model-0000k-of-0000n
     .safetensors and model.safetensors.index.json), config, generation config, tokenizer. Every rank
     calls it (the gather is a collective); rank 0 writes. Tied head: only embed_tokens is written and
-    config.tie_word_embeddings tells loaders to tie."""
-    state = _gather_to_cpu(model, dtype)
+    config.tie_word_embeddings tells loaders to tie. A LoRA model: the merged model, and with adapter_dir its
+    adapters on the model `base` in PEFT's layout (lora.save_peft)."""
+    state, adapters = _gather_to_cpu(model, dtype)
     with _atomic_dir(out_dir) as tmp:
         if tmp is not None:
             _save_pretrained(model, tmp, state, dtype, max_shard_size)
             tokenizer.save_pretrained(tmp)
+            if adapters and adapter_dir is not None:
+                lora.save_peft(adapters, model.lora_config, base, adapter_dir)
 
 
 def save_critic(critic, out_dir, dtype=None, max_shard_size="5GB"):
@@ -486,7 +498,7 @@ def save_critic(critic, out_dir, dtype=None, max_shard_size="5GB"):
     resume). Every rank calls it; rank 0 writes."""
     from safetensors.torch import save_file
 
-    state = _gather_to_cpu(critic, dtype)
+    state, _ = _gather_to_cpu(critic, dtype)
     head = {k[len("value_head."):]: state.pop(k) for k in list(state) if k.startswith("value_head.")}
     backbone = {k[len("backbone."):]: t for k, t in state.items()}
     with _atomic_dir(out_dir) as tmp:

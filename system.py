@@ -129,6 +129,9 @@ VLLM_NOISE = (
     "Passing raw prompts to InputProcessor is deprecated",
     "RotaryEmbedding: Failed to load weights",         # weight sync: no trainable weights in the layer
     "ParallelLMHead: Failed to load weights",          # weight sync of tied embeddings; an untied lm_head is sent
+    "VocabParallelEmbedding: Failed to load weights",  # LoRA's sync sends the adapted layers only (lora.py)
+    "RMSNorm: Failed to load weights",
+    "Following weights were not loaded from checkpoint",
     "into parameter with dtype",                       # fp32 master weights (or checkpoint) cast to the engine dtype
     "does not officially support disabling chunked prefill",  # engines.py on CPU: seeded requests need it off
 )

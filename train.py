@@ -26,6 +26,7 @@ import functools
 import math
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import faults
+import lora
 import ppo
 import reward
 import rollout
@@ -41,9 +43,9 @@ from cli import ArgumentParser, deprecated, die, positive_int
 from model import token_logprobs
 from logs import format_line, format_tokens, make_logger, report, step_metrics, timed
 from packing import forward_pass, micro_batches, pack
-from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, full_state_dict, reshard
+from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, reshard
 from system import quiet_logs
-from trainer_setup import logged_validations, models_and_optimisers, resume, setup, trainer_state
+from trainer_setup import engine_weights, logged_validations, models_and_optimisers, resume, setup, trainer_state
 
 
 def parse_args(argv=None):
@@ -54,6 +56,12 @@ def parse_args(argv=None):
     # what to train on
     a("--model", default="smollm2", help="policy: HF model directory, hub id or the 'smollm2' alias")
     a("--critic-model", default=None, help="critic backbone (default: the policy's)")
+    a("--lora-rank", type=int, default=0, help="train LoRA adapters of rank R on a frozen base instead of every weight "
+                                               "(0 = full fine-tuning); the reference policy is the base")
+    a("--lora-alpha", type=float, default=32, help="LoRA scale: the update is (alpha / rank) B A")
+    a("--lora-targets", type=lora.parse_targets, default="all-linear",
+      help="the decoder blocks' linear layers to adapt: all-linear (q, k, v, o, gate, up, down projections) or "
+           "comma-separated names, e.g. q_proj,v_proj")
     a("--data", required=True, help="training data: bundled name, .jsonl/.parquet file or a directory")
     a("--val-data", default=None, help="validation data (same forms as --data)")
     a("--val-limit", type=positive_int, default=None, help="use only the first N validation prompts")
@@ -159,6 +167,9 @@ def check_args(args):
         die(f"--rollout-is-cap must be 0 (off) or >= 1, got {args.rollout_is_cap}")
     if args.rollout_is_level not in ppo.IS_LEVELS:
         die(f"--rollout-is-level must be one of {', '.join(ppo.IS_LEVELS)}, got {args.rollout_is_level!r}")
+    if args.lora_rank < 0 or args.lora_alpha <= 0 or not args.lora_targets:
+        die(f"--lora-rank must be >= 0 (0 = off), --lora-alpha > 0 and --lora-targets name a layer; got "
+            f"{args.lora_rank}, {args.lora_alpha:g}, {','.join(args.lora_targets) or 'none'}")
     if args.kl_loss_coef is None:
         args.kl_loss_coef = 0.001 if args.adv == "grpo" else 0.0
 
@@ -228,7 +239,7 @@ def main(argv=None):
         # ---- 6. sync the new weights into the engine (not when stopping: the checkpoint has them)
         with timed(timer, "sync"):
             if not guard.stopping:
-                guard.run("sync", lambda: run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype)))
+                guard.run("sync", lambda: run.engine.sync_weights(engine_weights(run)))
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step
@@ -350,7 +361,8 @@ def no_grad_passes(run, args, batch, bar, check=None):
 
     fwd = dict(size=args.micro_batch_size, tokens=args.micro_batch_tokens, autocast=run.autocast, device=run.device,
                check=check)
-    ref = forward_pass(lp(run.ref), batch, **fwd, desc=bar("ref logprobs"))
+    with lora.adapters_off(run.actor) if run.ref is None else nullcontext():  # LoRA: the reference is the base
+        ref = forward_pass(lp(run.ref or run.actor), batch, **fwd, desc=bar("ref logprobs"))
     old = None if run.reuse_old else forward_pass(lp(run.actor), batch, **fwd, desc=bar("old logprobs"))
     values = None
     if run.critic is not None:

@@ -17,12 +17,13 @@ import torch
 
 import data as data_lib
 import engines
+import lora
 import ppo
 import rollout
 from cli import die, write_atomic
-from model import (check_attn_implementation, compile_model, compiler_missing, end_of_turn_ids, load_causal_lm,
-                   load_critic, load_tokenizer, refuse_unsupported, resolve_model)
-from checkpoint import find_resumable, load_checkpoint
+from model import (check_attn_implementation, compile_model, compiler_missing, decoder_layers, end_of_turn_ids,
+                   load_causal_lm, load_critic, load_tokenizer, refuse_unsupported, resolve_model)
+from checkpoint import base_digests, find_resumable, load_checkpoint
 from parallel import barrier, check_shared_out, full_state_dict, init_distributed, load_sharded
 from perf import model_shape, peak_tflops
 from system import choose_dtype, keep_freed_memory, trainer_threads
@@ -41,6 +42,8 @@ def setup(args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     engines.check_tensor_parallel(resolve_model(args.model), args.engine_tp, world)  # before --overwrite deletes
+    if args.lora_rank:  # --lora-targets against the model's layers, built on the meta device (nothing read)
+        with_adapters(functools.partial(load_causal_lm, resolve_model(args.model)), args)(meta=True)
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
     rollouts = args.batch_size * args.samples_per_prompt
@@ -135,18 +138,23 @@ def load_data(args, run):
 
 def load_models(args, run):
     """Actor, frozen reference, critic (gae only): fp32 master weights, FSDP2-sharded; optimisers, LR schedules,
-    the KL controller."""
+    the KL controller. --lora-rank: adapters on a frozen base instead (lora.py), and no reference model: the
+    reference is the actor with its adapters off (run.ref is None)."""
     mp = torch.bfloat16 if (args.dtype == "bfloat16" and run.device.type == "cuda") else None
     kw = dict(mixed_precision=mp, offload=args.offload)
     attn = args.attn_implementation
     refuse_unsupported(run.model_path, attn)  # the log-prob head too: token_logprobs computes the logits itself
     causal_lm = functools.partial(load_causal_lm, run.model_path, attn_implementation=attn)  # (meta) -> model
-    run.actor = load_sharded(causal_lm, run.model_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
-    run.ref = load_sharded(causal_lm, run.model_path, run.device, **kw)
-    run.ref.requires_grad_(False)
+    run.actor = load_sharded(with_adapters(causal_lm, args), run.model_path, run.device, **kw,
+                             grad_checkpointing=args.grad_checkpointing, init_missing=adapter_init(args))
+    run.ref = None
+    if not args.lora_rank:
+        run.ref = load_sharded(causal_lm, run.model_path, run.device, **kw)
+        run.ref.requires_grad_(False)
     if args.compile:
         compile_model(run.actor)
-        compile_model(run.ref)
+        if run.ref is not None:
+            compile_model(run.ref)
     run.actor_opt = make_optimizer(run.actor, args.actor_lr, args.weight_decay)
     run.schedulers = [torch.optim.lr_scheduler.LambdaLR(run.actor_opt,
                                                         lr_lambda(run.total_steps, args.actor_warmup_ratio))]
@@ -154,20 +162,58 @@ def load_models(args, run):
     if args.adv == "gae":
         critic_path = resolve_model(args.critic_model or args.model)
         critic = functools.partial(load_critic, critic_path, attn_implementation=attn)
-        run.critic = load_sharded(critic, critic_path, run.device, **kw, grad_checkpointing=args.grad_checkpointing)
+        run.critic = load_sharded(with_adapters(critic, args, trainable=("value_head.",)), critic_path, run.device,
+                                  **kw, grad_checkpointing=args.grad_checkpointing, init_missing=adapter_init(args))
         if args.compile:
             compile_model(run.critic)
         run.critic_opt = make_optimizer(run.critic, args.critic_lr, args.weight_decay)
         run.schedulers.append(torch.optim.lr_scheduler.LambdaLR(run.critic_opt,
                                                                 lr_lambda(run.total_steps, args.critic_warmup_ratio)))
+    run.lora = None  # what a checkpoint records of the adapters and of the frozen bases they were trained on
+    if args.lora_rank:
+        bases = [run.model_path] + ([critic_path] if run.critic is not None else [])
+        run.lora = dict(run.actor.lora_config, base=str(run.model_path),
+                        base_files=[base_digests(path) for path in bases])
     run.kl_ctl = (ppo.AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
                   else ppo.FixedKLController(args.kl_coef))
 
 
+def with_adapters(build, args, trainable=()):
+    """build(meta=...) -> model, with LoRA adapters added when --lora-rank (lora.adapt): the base frozen in the
+    trainer's compute dtype (a float32 trainer cannot multiply bf16 weights without autocast; with --dtype auto this
+    is the engine's dtype too), `trainable` prefixes left trained."""
+    if not args.lora_rank:
+        return build
+
+    def built(meta=False):
+        model = build(meta=meta)
+        try:
+            return lora.adapt(model, decoder_layers(model), args.lora_rank, args.lora_alpha, args.lora_targets,
+                              getattr(torch, args.dtype), trainable, seed=args.seed)
+        except ValueError as e:
+            die(f"--lora-targets: {e}")
+    return built
+
+
+def adapter_init(args):
+    """load_sharded's init_missing: the adapters' starting values (lora.initial_value), or None without LoRA."""
+    return functools.partial(lora.initial_value, seed=args.seed) if args.lora_rank else None
+
+
+def engine_weights(run):
+    """(HF name, full tensor) pairs for the engine's weight sync, in its dtype: the whole actor, or with LoRA only the
+    adapted layers, merged (lora.merged_weights; the engine holds the rest of the base since it started)."""
+    if hasattr(run.actor, "lora_config"):
+        return lora.merged_weights(run.actor, run.engine.dtype)
+    return full_state_dict(run.actor, run.engine.dtype)
+
+
 def make_optimizer(model, lr, weight_decay):
-    """AdamW over the FSDP2 shards. foreach: torch otherwise steps DTensor parameters one at a time, an order of
-    magnitude slower on CPU; the result is the same."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+    """AdamW over the FSDP2 shards of the trained parameters (with LoRA: the adapters, and a critic's value head).
+    foreach: torch otherwise steps DTensor parameters one at a time, an order of magnitude slower on CPU; the result
+    is the same."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                             foreach=True)
 
 
 def lr_lambda(total_steps, warmup_ratio):
@@ -186,6 +232,8 @@ def resume(args, run):
         if run.master:
             metrics_file.unlink(missing_ok=True)
         return None
+    if why := lora_mismatch(json.loads((ckpt / "trainer_state.json").read_text()).get("lora"), run.lora):
+        die(f"--resume: {ckpt} {why}")
     state = load_checkpoint(ckpt, models_and_optimisers(run))
     for sched, sd in zip(run.schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
@@ -195,10 +243,32 @@ def resume(args, run):
     run.run_id = state.get("run_id") or run.run_id  # a checkpoint older than run ids: this run's own from now on
     if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
         write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
-    run.engine.sync_weights(full_state_dict(run.actor, run.engine.dtype))
+    run.engine.sync_weights(engine_weights(run))
     say(f"[resume] {ckpt} at step {step}" + (" (its validation was cut short: running it first)"
                                                if state.get("pending") else ""), flush=True)
     return state
+
+
+def lora_mismatch(saved, now):
+    """Why a checkpoint's adapters cannot continue in this run (its trainer_state's "lora" against run.lora), or None:
+    one kind of training for the other, other adapter flags, or a base whose files differ from what they were
+    trained on (adapters on another base load without an error and are garbage)."""
+    if saved is None and now is None:
+        return None
+    if saved is None:
+        return "is a full fine-tune's checkpoint: resume it without --lora-rank"
+    if now is None:
+        return f"holds LoRA adapters: resume with --lora-rank {saved['r']}"
+
+    def flags(c):
+        return {"--lora-rank": str(c["r"]), "--lora-alpha": f"{c['alpha']:g}", "--lora-targets": ",".join(c["targets"])}
+    if diff := [f"{flag} {value}" for flag, value in flags(saved).items() if flags(now)[flag] != value]:
+        return f"holds adapters of {' '.join(diff)}: resume with the flags it was trained with"
+    for kind, old, new in zip(("--model", "--critic-model"), saved["base_files"], now["base_files"]):
+        if diff := sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f)):
+            return (f"was trained on another base than this {kind} ({', '.join(diff)} differ): resume with the "
+                    f"model its adapters belong to ({saved['base']})")
+    return None
 
 
 def logged_validations(run):
@@ -219,4 +289,4 @@ def trainer_state(args, run, step, pending=None, export=True):
     (and critic/); run_id: the run it belongs to (--keep-last prunes that run's checkpoints only)."""
     return {"kl_ctl": run.kl_ctl.state_dict(), "data_position": step * args.batch_size, "args": vars(args),
             "schedulers": [s.state_dict() for s in run.schedulers], "world_size": run.world, "pending": pending,
-            "export": export, "run_id": run.run_id}
+            "export": export, "run_id": run.run_id, "lora": run.lora}

@@ -87,6 +87,14 @@ def param_counts(cfg):
                 root=embed + norm + head)
 
 
+def lora_params(cfg, rank):
+    """Trained parameters of --lora-rank R on every linear layer of every decoder block (lora.TARGETS): r x (in + out)
+    for q, k, v, o and the three MLP projections."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim(cfg), cfg["num_key_value_heads"] * head_dim(cfg)
+    return rank * cfg["num_hidden_layers"] * ((h + q) * 2 + (h + kv) * 2 + (h + inter) * 3)
+
+
 def kv_bytes_per_token(cfg):
     """bf16 K and V of one token in all layers of the whole engine (bytes; a TP rank holds 1/K of it)."""
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim(cfg) * 2
@@ -127,9 +135,15 @@ def memory(cfg, plan, setup):
     gae, off = plan["adv"] == "gae", plan["offload"]
     m = dict(plan)
     on_gpu = 0 if off else 1
-    m["actor_state"] = on_gpu * 12 * p["actor"] / n
-    m["critic_state"] = on_gpu * 12 * p["critic"] / n if gae else 0
-    m["ref_state"] = on_gpu * 4 * p["actor"] / n
+    m["lora_rank"] = r = plan.get("lora_rank", 0)
+    # trained parameters (fp32 weights 4 B + Adam 8 B, gradients 4 B) and frozen ones (LoRA's base: bf16, 2 B)
+    trained = lora_params(cfg, r) if r else p["actor"]
+    frozen = p["actor"] if r else 0
+    critic_trained = trained + (cfg["hidden_size"] + 1 if r else p["critic"] - p["actor"])  # + the value head
+    m["actor_state"] = on_gpu * (12 * trained + 2 * frozen) / n
+    m["critic_state"] = on_gpu * (12 * critic_trained + 2 * (p["critic"] - cfg["hidden_size"] - 1) * bool(r)) / n \
+        if gae else 0
+    m["ref_state"] = on_gpu * 4 * p["actor"] / n if not r else 0  # LoRA: the base with the adapters off
     m["rest"] = m["actor_state"] + m["critic_state"] + m["ref_state"]
     if m["gpu_memory_utilization"] is None:
         m["gpu_memory_utilization"] = auto_utilization(m["rest"], setup)
@@ -149,17 +163,18 @@ def memory(cfg, plan, setup):
     per_token = ACT_BYTES * cfg["hidden_size"] * cfg["num_hidden_layers"]
     m["act"] = m["tokens"] * per_token / (CKPT_DIVISOR if plan["grad_checkpointing"] else 1)
     m["gathered"] = 2 * (p["root"] + p["layer"])
-    m["grads"] = on_gpu * 4 * p["actor"] / n
-    m["opt_temp"] = on_gpu * 4 * p["actor"] / n
+    m["grads"] = on_gpu * 4 * trained / n
+    m["opt_temp"] = on_gpu * 4 * trained / n
     m["update_peak"] = m["rest"] + m["grads"] + max(m["act"] + m["gathered"], m["opt_temp"]) + m["context"]
-    m["host"] = (16 * p["actor"] + (16 * p["critic"] if gae else 0) + 4 * p["actor"]) if off else 0  # per node
+    host = 16 * trained + 2 * frozen + (16 * critic_trained + 2 * frozen * bool(r) if gae else 0)
+    m["host"] = (host + 4 * p["actor"] * (not r)) if off else 0  # per node
     cap = (1 - setup.margin) * setup.gpu_gib * GIB
     m["fits"] = (m["rollout_peak"] <= cap and m["update_peak"] <= cap and m["kv_tokens"] >= seq
                  and m["host"] <= setup.host_gib * GIB)
     return m
 
 
-def search(cfg, setup, adv):
+def search(cfg, setup, adv, lora_rank=0, offloads=(False, True)):
     """The cheapest plan that fits with this --adv, or None. Cheapest: no --offload (the step on the host) before
     no --grad-checkpointing (recomputes the forward) before the largest micro-batch (--micro-batch-tokens halved
     until one sequence goes alone: more all-gathers only); then the K whose engine holds the most of its rollout
@@ -168,11 +183,12 @@ def search(cfg, setup, adv):
     micro = [setup.micro_batch_tokens]
     while micro[-1] > seq:  # the last one below the longest sequence: each sequence then goes alone
         micro.append(micro[-1] // 2)
-    for offload in (False, True):
+    for offload in offloads:
         for ckpt in (False, True):
             for tokens in micro:
                 plans = [memory(cfg, dict(engine_tp=k, offload=offload, grad_checkpointing=ckpt,
-                                          micro_batch_tokens=tokens, adv=adv, gpu_memory_utilization=None), setup)
+                                          micro_batch_tokens=tokens, adv=adv, gpu_memory_utilization=None,
+                                          lora_rank=lora_rank), setup)
                          for k in tp_sizes(cfg, setup.gpus)]
                 plans = [m for m in plans if m["fits"]]
                 if plans:
@@ -182,7 +198,8 @@ def search(cfg, setup, adv):
 
 def flags(m):
     """train.py's flags of a plan."""
-    out = [f"--engine-tp {m['engine_tp']}"]
+    out = [f"--lora-rank {m['lora_rank']}"] if m.get("lora_rank") else []
+    out += [f"--engine-tp {m['engine_tp']}"]
     out += [f"--adv {m['adv']}"] if m["adv"] != "gae" else []
     out += ["--offload"] if m["offload"] else []
     out += ["--grad-checkpointing"] if m["grad_checkpointing"] else []
@@ -238,7 +255,7 @@ def table(columns, setup):
 def given_plan(args):
     return dict(engine_tp=args.engine_tp, offload=args.offload, grad_checkpointing=args.grad_checkpointing,
                 micro_batch_tokens=args.micro_batch_tokens, adv=args.adv,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization, lora_rank=args.lora_rank)
 
 
 def check_1_5b():
@@ -286,6 +303,7 @@ def render(args):
     for adv in ("gae", "grpo"):
         out += ["", f"`--adv {adv}`:", "", "```bash"]
         out += [command(name, plans[name][adv], setup) for name, _ in shapes if plans[name][adv]] + ["```"]
+    out += [""] + lora_table(args, shapes)
     out += ["", "## Check: the model against the measured 1.5B figures", ""] + check_1_5b()
     for name, cfg in shapes:
         p = param_counts(cfg)
@@ -298,6 +316,41 @@ def render(args):
                 f"{p['actor'] / 1e9:.2f} B parameters ({p['actor']:,}), critic {p['critic'] / 1e9:.2f} B; "
                 f"`--engine-tp` in {', '.join(map(str, tp_sizes(cfg, setup.gpus)))}.", ""]
         out += table(cols, setup)
+    return out
+
+
+def fewest_gpus(cfg, setup, adv, lora_rank):
+    """(GPUs, plan) of the smallest node of 1, 2, 4 or 8 of these cards that a plan without --offload fits (its host
+    step is the slow way to fit anything), or (None, None)."""
+    for gpus in (1, 2, 4, 8):
+        plan = search(cfg, argparse.Namespace(**dict(vars(setup), gpus=gpus)), adv, lora_rank, offloads=(False,))
+        if plan:
+            return gpus, plan
+    return None, None
+
+
+def lora_table(args, shapes):
+    """Markdown: the fewest GPUs each model needs, full fine-tuning against --lora-rank (lora_params: its trained
+    parameters; the frozen base in bf16, no reference copy)."""
+    r = args.lora_rank or 16
+    out = [f"## LoRA (`--lora-rank {r}`) beside full fine-tuning: the fewest {args.gpu_gib:g} GiB GPUs without "
+           "`--offload`", "",
+           f"LoRA: the base once in bf16 (2 B/param), frozen; the adapters ({r} x (in + out) of every linear layer of "
+           "every block) with fp32 weights, gradients and Adam state; no reference copy (the base with the adapters "
+           "off); a `--adv gae` critic has adapters of its own on a bf16 copy of its backbone. Activations as full "
+           "fine-tuning (the frozen layers still pass gradients to their inputs).", "",
+           "| model | `--adv` | full fine-tune: GPUs, state at rest per GPU | flags | "
+           f"`--lora-rank {r}`: GPUs, state at rest per GPU | flags |", "|---|---|---|---|---|---|"]
+    for name, cfg in shapes:
+        for adv in ("gae", "grpo"):
+            cells = []
+            for lora_rank in (0, r):
+                gpus, m = fewest_gpus(cfg, args, adv, lora_rank)
+                cells += [f"{gpus}, {gib(m['rest'])} GiB", f"`{flags(m)}`"] if m else ["more than 8", "-"]
+            out.append(f"| {name} | {adv} | " + " | ".join(cells) + " |")
+    out += ["", f"Trained parameters at `--lora-rank {r}`: " + ", ".join(
+        f"{name.split('-')[-1]} {lora_params(cfg, r) / 1e6:.1f} M ({100 * lora_params(cfg, r) / param_counts(cfg)['actor']:.2f} %)"
+        for name, cfg in shapes) + "."]
     return out
 
 
@@ -338,6 +391,7 @@ def parse_args(argv=None):
     ap.add_argument("--host-gib", type=float, default=1800, help="host RAM per node for --offload (DGX H100: 2 TB)")
     g = ap.add_argument_group("train.py's flags (the 'given flags' column; its defaults)")
     g.add_argument("--engine-tp", type=int, default=1)
+    g.add_argument("--lora-rank", type=int, default=0, help="also the LoRA table's rank (0 there: 16)")
     g.add_argument("--offload", action="store_true")
     g.add_argument("--grad-checkpointing", action="store_true")
     g.add_argument("--micro-batch-tokens", type=int, default=16384, help="also where the search starts")

@@ -93,3 +93,31 @@ def test_every_command_line_of_the_plan_parses():
         argv = shlex.split(line.split("train.py", 1)[1] if "train.py" in line else line[len("$T"):])
         args = train.parse_args(argv)
         assert args.data == "data/limo"
+
+
+@pytest.mark.parametrize("size", ["1.5B", "7B"])
+def test_lora_parameter_count_equals_the_adapted_model(size):
+    """lora_params from the config equals the trained numel of lora.adapt on transformers' Qwen2 (meta device)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import lora
+    from model import decoder_layers
+
+    cfg = scaling.SHAPES[size]
+    with torch.device("meta"):
+        m = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    lora.adapt(m, decoder_layers(m), 16, 32, lora.TARGETS, torch.bfloat16)
+    assert scaling.lora_params(cfg, 16) == sum(p.numel() for p in m.parameters() if p.requires_grad)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters() if not p.requires_grad)
+
+
+def test_lora_fits_7b_on_fewer_gpus_than_full_fine_tuning():
+    """The LoRA table's claim: without --offload, 7B grpo needs 4 GPUs fully fine-tuned and 1 with adapters; the
+    LoRA state at rest is the bf16 base plus 16 B per adapter parameter."""
+    cfg = scaling.SHAPES["7B"]
+    assert scaling.fewest_gpus(cfg, DEFAULTS, "grpo", 0)[0] == 4
+    gpus, m = scaling.fewest_gpus(cfg, DEFAULTS, "grpo", 16)
+    assert gpus == 1
+    p = scaling.param_counts(cfg)["actor"]
+    assert m["rest"] == pytest.approx(2 * p + 12 * scaling.lora_params(cfg, 16))
+    assert m["grads"] == pytest.approx(4 * scaling.lora_params(cfg, 16))
