@@ -11,7 +11,7 @@ import torch
 
 from packing import padding_counts
 from parallel import all_reduce_dict
-from perf import forward_flops
+from perf import forward_flops, training_flops
 from rollout import trajectory_sums
 from system import peak_rss_gb
 
@@ -83,8 +83,9 @@ def phase_flops(run, args, batch):
     resp = batch["response_mask"].sum(1)                                                    # [B]
     actor = forward_flops(run.flops["actor"], seq, resp)
     critic = forward_flops(run.flops["critic"], seq, resp) if "critic" in run.flops else 0.0
-    return {"flops_logprobs": actor * (1 if run.reuse_old else 2) + critic,
-            "flops_update": 3 * (actor + critic) * args.ppo_epochs}
+    update = training_flops(run.flops["actor"], seq, resp) + (
+        training_flops(run.flops["critic"], seq, resp) if "critic" in run.flops else 0.0)
+    return {"flops_logprobs": actor * (1 if run.reuse_old else 2) + critic, "flops_update": update * args.ppo_epochs}
 
 
 def make_logger(args, out):

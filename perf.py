@@ -8,7 +8,8 @@ for a sequence of s tokens (prompt + response) whose r response tokens go throug
 layers' parameters (projections and norms); P_head: the LM head's (vocab x hidden; token_logprobs applies it to
 response tokens only) or the critic's value head (hidden + 1); L layers; d = attention heads x head_dim. Causal
 attention scores s(s+1)/2 ~ s^2/2 query-key pairs per head, 2 d FLOPs each for QK^T and again for AV:
-2 L d s^2. The embedding is a lookup: no FLOPs.
+2 L d s^2. The embedding is a lookup: no FLOPs. With LoRA (a frozen base) training is 3 F less the weights' share of
+one F: the base gets no weight gradients (training_flops).
 veRL's counter (verl/utils/flops_counter.py) charges 6 x (layers + embedding + head) parameters on every token and
 non-causal attention (12 L d s^2 for training): on the same step it reports more than this formula.
 """
@@ -43,7 +44,15 @@ def model_shape(model):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return dict(layer_params=sum(p.numel() for p in layers.parameters()),
                 head_params=sum(p.numel() for p in head.parameters()), layers=config.num_hidden_layers,
-                attn_width=config.num_attention_heads * head_dim)
+                attn_width=config.num_attention_heads * head_dim, frozen_base=hasattr(model, "lora_config"))
+
+
+def training_flops(shape, seq_lens, response_lens):
+    """Model FLOPs of forward + backward: 3 F. A frozen base (LoRA) gets no weight gradients: one F's share of the
+    weights (2 P s + 2 P_head r) less; the adapters' own gradients, r / hidden of it, are left in."""
+    f = forward_flops(shape, seq_lens, response_lens)
+    return 3 * f - (forward_flops(dict(shape, attn_width=0), seq_lens, response_lens) if shape.get("frozen_base")
+                    else 0.0)
 
 
 def forward_flops(shape, seq_lens, response_lens):

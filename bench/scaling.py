@@ -348,6 +348,9 @@ def lora_table(args, shapes):
                 gpus, m = fewest_gpus(cfg, args, adv, lora_rank)
                 cells += [f"{gpus}, {gib(m['rest'])} GiB", f"`{flags(m)}`"] if m else ["more than 8", "-"]
             out.append(f"| {name} | {adv} | " + " | ".join(cells) + " |")
+    out += ["", "```bash"] + [f"torchrun --nproc_per_node {gpus} train.py --model /path/to/{name} --data data/limo "
+                              f"{flags(m)}" for name, cfg in shapes for adv in ("grpo",)
+                              for gpus, m in [fewest_gpus(cfg, args, adv, r)] if m] + ["```"]
     out += ["", f"Trained parameters at `--lora-rank {r}`: " + ", ".join(
         f"{name.split('-')[-1]} {lora_params(cfg, r) / 1e6:.1f} M ({100 * lora_params(cfg, r) / param_counts(cfg)['actor']:.2f} %)"
         for name, cfg in shapes) + "."]

@@ -9,6 +9,12 @@ JSON line: engine start, decoded tokens/s over the whole world (each token count
 engine), one full weight sync (the trainer's full_state_dict path: every rank gathers each tensor, the engine keeps
 its share) and each rank's peak resident memory. The model: a random Llama of SmolLM2-135M's size whose heads split
 in two (8 heads, 4 KV heads; SmolLM2's 9 and 3 do not), written once to --model-dir.
+
+    torchrun --nproc_per_node 2 bench/tp_bench.py --lora-rank 16
+
+--lora-rank R: the trainer holds LoRA adapters (non-zero B) and the sync sends their merged layers only
+(lora.merged_weights, train.py's path); the decode is timed again after the sync (tokens_per_s_synced), where the
+engine runs the merged weights: its plain kernels either way.
 """
 import argparse
 import json
@@ -23,10 +29,22 @@ import torch.distributed as dist
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engines  # noqa: E402
+import lora  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 from parallel import full_state_dict, init_distributed, shard  # noqa: E402
 from system import peak_rss_gb  # noqa: E402
+
+
+def decode(engine, prompts, seeds, tokens, leader):
+    """One timed generate of every engine's share -> decode_s, tokens (over the world), tokens_per_s."""
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, tokens, temperature=1.0, seed=seeds, eos_ids=[])
+    dist.barrier()  # the slowest engine's time
+    seconds = time.perf_counter() - t0
+    count = torch.tensor([float(sum(len(c.token_ids) for c in out)) if leader else 0.0])  # one rank per engine
+    dist.all_reduce(count)
+    return dict(decode_s=round(seconds, 2), tokens=int(count.item()), tokens_per_s=round(count.item() / seconds, 1))
 
 
 def main():
@@ -36,6 +54,7 @@ def main():
     p.add_argument("--requests", type=int, default=32, help="requests in all, over every engine")
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per request")
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--lora-rank", type=int, default=0, help="sync merged LoRA adapters instead of the whole model")
     args = p.parse_args()
     rank, world, _, device = init_distributed()
     path = Path(args.model_dir)
@@ -54,22 +73,22 @@ def main():
     group, _ = rollout.group_shard(len(prompts), rank, world, args.engine_tp)
     engine.generate([prompts[i] for i in group[:2]], 4, temperature=1.0, seed=0, eos_ids=[])  # warm-up
     dist.barrier()
-    t0 = time.perf_counter()
-    out = engine.generate([prompts[i] for i in group], args.tokens, temperature=1.0, seed=group, eos_ids=[])
-    dist.barrier()  # the slowest engine's time
-    seconds = time.perf_counter() - t0
-    leader = rank % args.engine_tp == 0  # one rank per engine counts its tokens
-    tokens = torch.tensor([float(sum(len(c.token_ids) for c in out)) if leader else 0.0])
-    dist.all_reduce(tokens)
-    res.update(decode_s=round(seconds, 2), tokens=int(tokens.item()), tokens_per_s=round(tokens.item() / seconds, 1))
+    res.update(decode(engine, [prompts[i] for i in group], group, args.tokens, rank % args.engine_tp == 0))
 
     trainer = model.load_causal_lm(str(path))  # the trainer's copy, FSDP2-sharded as train.py shards it
+    if args.lora_rank:
+        lora.adapt(trainer, model.decoder_layers(trainer), args.lora_rank, 32, lora.TARGETS, torch.float32)
+        for _, layer in lora.adapted_layers(trainer):
+            torch.nn.init.normal_(layer.lora_B.weight, std=1e-3)
     shard(trainer)
     dist.barrier()
     t0 = time.perf_counter()
-    engine.sync_weights(full_state_dict(trainer, engine.dtype))
+    engine.sync_weights(lora.merged_weights(trainer, engine.dtype) if args.lora_rank
+                        else full_state_dict(trainer, engine.dtype))
     dist.barrier()
     res["sync_s"] = round(time.perf_counter() - t0, 3)
+    res["tokens_per_s_synced"] = decode(engine, [prompts[i] for i in group], group, args.tokens,
+                                        rank % args.engine_tp == 0)["tokens_per_s"]
     rss = [None] * world
     dist.all_gather_object(rss, round(peak_rss_gb(), 2))
     res["peak_rss_gb_per_rank"] = rss

@@ -262,7 +262,7 @@ def test_model_flops_against_a_hand_count(tiny_model_dir):
     V = model.config.vocab_size
     per_layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 256 + 2 * 128  # q, o; k, v; gate, up, down; 2 norms
     shape = perf.model_shape(model)
-    assert shape == dict(layer_params=2 * per_layer, head_params=V * 128, layers=2, attn_width=128)
+    assert shape == dict(layer_params=2 * per_layer, head_params=V * 128, layers=2, attn_width=128, frozen_base=False)
     seqs, resps = [10, 7], [4, 3]
     want = 2 * (2 * per_layer) * 17 + 2 * (V * 128) * 7 + 2 * 2 * 128 * (10 ** 2 + 7 ** 2)
     assert perf.forward_flops(shape, seqs, resps) == want
@@ -275,6 +275,17 @@ def test_model_flops_against_a_hand_count(tiny_model_dir):
     from logs import phase_flops
     assert phase_flops(run, SimpleNamespace(ppo_epochs=2), batch) == {"flops_logprobs": 2 * a + c,
                                                                       "flops_update": 3 * (a + c) * 2}
+    # LoRA (rank 4 on all seven projections): the adapters count as layer parameters, the frozen base gets no weight
+    # gradients, so training is 3 F less one F's weight part (2 P s + 2 P_head r)
+    import lora
+    adapted = lora.adapt(model, M.decoder_layers(model), 4, 8, lora.TARGETS, torch.float32)
+    lora_shape = perf.model_shape(adapted)
+    adapters = 4 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 256))  # r x (in + out): q, o; k, v; gate, up, down
+    assert lora_shape == dict(shape, layer_params=2 * (per_layer + adapters), frozen_base=True)
+    f = perf.forward_flops(lora_shape, seqs, resps)
+    weights = 2 * (2 * (per_layer + adapters)) * 17 + 2 * (V * 128) * 7
+    assert perf.training_flops(lora_shape, seqs, resps) == 3 * f - weights
+    assert perf.training_flops(shape, seqs, resps) == 3 * a
 
 
 def test_peak_table_and_flag(monkeypatch):
