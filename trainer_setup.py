@@ -43,7 +43,7 @@ def setup(args):
     np.random.seed(args.seed)
     engines.check_tensor_parallel(resolve_model(args.model), args.engine_tp, world)  # before --overwrite deletes
     if args.lora_rank:  # --lora-targets against the model's layers, built on the meta device (nothing read)
-        with_adapters(functools.partial(load_causal_lm, resolve_model(args.model)), args)(meta=True)
+        with_adapters(functools.partial(load_causal_lm, resolve_model(args.model)), args, dtype="float32")(meta=True)
     if args.batch_size % world:
         die(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
     rollouts = args.batch_size * args.samples_per_prompt
@@ -178,10 +178,10 @@ def load_models(args, run):
                   else ppo.FixedKLController(args.kl_coef))
 
 
-def with_adapters(build, args, trainable=()):
+def with_adapters(build, args, trainable=(), dtype=None):
     """build(meta=...) -> model, with LoRA adapters added when --lora-rank (lora.adapt): the base frozen in the
     trainer's compute dtype (a float32 trainer cannot multiply bf16 weights without autocast; with --dtype auto this
-    is the engine's dtype too), `trainable` prefixes left trained."""
+    is the engine's dtype too) or `dtype`, `trainable` prefixes left trained."""
     if not args.lora_rank:
         return build
 
@@ -189,7 +189,7 @@ def with_adapters(build, args, trainable=()):
         model = build(meta=meta)
         try:
             return lora.adapt(model, decoder_layers(model), args.lora_rank, args.lora_alpha, args.lora_targets,
-                              getattr(torch, args.dtype), trainable, seed=args.seed)
+                              getattr(torch, dtype or args.dtype), trainable, seed=args.seed)
         except ValueError as e:
             die(f"--lora-targets: {e}")
     return built

@@ -216,3 +216,16 @@ def test_lora_resume_on_one_rank_reproduces_the_two_rank_run(lora_run, tiny_mode
         assert got[key] == want[key], key
     for key in ("loss/pg", "loss/vf", "kl/mean", "actor/entropy", "actor/approx_kl", "actor/grad_norm"):
         assert got[key] == pytest.approx(want[key], abs=1e-4), key
+
+
+@pytest.mark.slow  # a train.py start
+def test_bad_lora_flags_are_one_line_before_anything_is_written(tiny_model_dir, tmp_path):
+    """--dtype auto (not yet resolved when the targets are checked): a target the blocks lack, and bad numbers."""
+    base = ["--model", tiny_model_dir, "--data", "arith_train", "--out", tmp_path / "out", "--steps", "1"]
+    for extra, needle in ((["--lora-rank", "4", "--lora-targets", "q_proj,c_attn"],
+                           "error: --lora-targets: c_attn is not a linear layer of the decoder blocks (they have: "),
+                          (["--lora-rank", "-1"], "error: --lora-rank must be >= 0")):
+        proc = run_script("train.py", *base, *extra, env=CPU_ENV, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith(needle), proc.stderr[-2000:]
+        assert not (tmp_path / "out").exists()
