@@ -108,8 +108,9 @@ def adapters_off(model):
 
 
 def merged(weight, a, b, scaling):
-    """W + scaling B A in fp32: weight [n, in] (all or some rows of W), b the same rows of B [n, r], a [r, in]."""
-    return weight.float() + scaling * (b.float() @ a.float())
+    """W + scaling B A in fp32, a new tensor: weight [n, in] (all or some rows of W), b the same rows of B [n, r],
+    a [r, in]. One fp32 copy of W, the product added in place (the sync's cost is memory traffic)."""
+    return weight.to(torch.float32, copy=True).addmm_(b.float(), a.float(), alpha=scaling)
 
 
 def merged_weights(model, dtype):
