@@ -56,8 +56,9 @@ def parse_args(argv=None):
     # what to train on
     a("--model", default="smollm2", help="policy: HF model directory, hub id or the 'smollm2' alias")
     a("--critic-model", default=None, help="critic backbone (default: the policy's)")
-    a("--lora-rank", type=int, default=0, help="train LoRA adapters of rank R on a frozen base instead of every weight "
-                                               "(0 = full fine-tuning); the reference policy is the base")
+    a("--lora-rank", type=int, default=0, metavar="R",
+      help="train LoRA adapters of rank R on a frozen base instead of every weight (0 = full fine-tuning); the "
+           "reference policy is the base; wants a higher --actor-lr (the demo's task: 10x)")
     a("--lora-alpha", type=float, default=32, help="LoRA scale: the update is (alpha / rank) B A")
     a("--lora-targets", type=lora.parse_targets, default="all-linear",
       help="the decoder blocks' linear layers to adapt: all-linear (q, k, v, o, gate, up, down projections) or "
