@@ -363,7 +363,7 @@ def no_grad_passes(run, args, batch, bar, check=None):
     fwd = dict(size=args.micro_batch_size, tokens=args.micro_batch_tokens, autocast=run.autocast, device=run.device,
                check=check)
     with lora.adapters_off(run.actor) if run.ref is None else nullcontext():  # LoRA: the reference is the base
-        ref = forward_pass(lp(run.ref or run.actor), batch, **fwd, desc=bar("ref logprobs"))
+        ref = forward_pass(lp(run.actor if run.ref is None else run.ref), batch, **fwd, desc=bar("ref logprobs"))
     old = None if run.reuse_old else forward_pass(lp(run.actor), batch, **fwd, desc=bar("old logprobs"))
     values = None
     if run.critic is not None:
