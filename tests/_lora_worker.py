@@ -74,7 +74,8 @@ def main():
     p_plain = {n: p.detach() for n, p in plain.named_parameters()}
     p_sharded = {n: full(p) for n, p in sharded.named_parameters()}
     res["step_diff"] = max_diff(p_sharded, p_plain)
-    res["a_moved"] = max((p_plain[n] - lora.initial_value(n, tuple(p_plain[n].shape), seed=5)).abs().max().item()
+    initial = {n: lora.initial_value(n, tuple(p_plain[n].shape), seed=5).to(device) for n in res["expected_trained"]}
+    res["a_moved"] = max((p_plain[n] - initial[n]).abs().max().item()
                          for n in res["expected_trained"] if "lora_A" in n)  # the step changed the adapters
     res["frozen_moved"] = max_diff({n: p_plain[n] for n in frozen_before}, frozen_before)
 
