@@ -46,8 +46,8 @@ def parse_targets(text):
 
 
 def adapt(model, layers, rank, alpha, targets, base_dtype, trainable=(), seed=0):
-    """Adapters on the `targets` linear layers of `layers` (the decoder blocks), in place -> model, or the names
-    missing from them (a ValueError naming what the blocks hold). Every parameter already there is frozen and cast
+    """Adapters on the `targets` linear layers of `layers` (the decoder blocks), in place -> model; a target the blocks
+    lack is a ValueError naming what they hold. Every parameter already there is frozen and cast
     to base_dtype except those under a `trainable` prefix (a critic's value head); A and B are fp32 and trained.
     Built on the meta device, nothing is allocated (load_sharded fills A and B from initial_value); otherwise
     they are initialised here. model.lora_config records what an export and a resume need."""
