@@ -117,14 +117,13 @@ def merged_weights(model, dtype):
     """Yield (HF name, full merged weight in `dtype`) of every adapted layer, one at a time: the engine's weight sync.
     Every rank must iterate (gathers are collectives). FSDP2 shards W [out, in] and B [out, r] alike along `out`,
     so each rank merges its own rows with the gathered A [r, in] and one gather in the engine's dtype follows.
-    --offload: CPU shards move to the mesh's device first (parallel.full_state_dict's rule)."""
+    --offload: CPU shards move to the mesh's device first (parallel.on_mesh_device)."""
     from torch.distributed.tensor import DTensor
 
+    from parallel import on_mesh_device  # (parallel imports this module)
+
     def local(t):
-        t = t.detach()
-        if isinstance(t, DTensor) and t.device.type != t.device_mesh.device_type:
-            t = t.to(t.device_mesh.device_type)
-        return t
+        return on_mesh_device(t.detach()) if isinstance(t, DTensor) else t.detach()
 
     for name, m in adapted_layers(model):
         w, a, b = local(m.weight), local(m.lora_A.weight), local(m.lora_B.weight)

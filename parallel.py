@@ -395,11 +395,15 @@ def full_state_dict(model, dtype=None):
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         if isinstance(tensor, DTensor):
-            mesh_device = tensor.device_mesh.device_type  # "cuda" for FSDP2 on GPUs, offloaded or not
-            if tensor.device.type != mesh_device:
-                tensor = tensor.to(mesh_device)  # the current device (init_distributed set it)
-            tensor = tensor.full_tensor()
+            tensor = on_mesh_device(tensor).full_tensor()
         yield name, tensor
+
+
+def on_mesh_device(tensor):
+    """A DTensor shard on its mesh's device ("cuda" for FSDP2 on GPUs, offloaded or not: the current device, which
+    init_distributed set), where its gather runs; --offload keeps shards on the CPU."""
+    mesh_device = tensor.device_mesh.device_type
+    return tensor.to(mesh_device) if tensor.device.type != mesh_device else tensor
 
 
 def reshard(*models):

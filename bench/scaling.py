@@ -207,9 +207,8 @@ def flags(m):
                            f"--gpu-memory-utilization {m['gpu_memory_utilization']:.2f}"])
 
 
-def command(name, m, setup):
-    return (f"torchrun --nproc_per_node {setup.gpus} train.py --model /path/to/{name} --data data/limo "
-            f"{flags(m)}")
+def command(name, m, gpus):
+    return f"torchrun --nproc_per_node {gpus} train.py --model /path/to/{name} --data data/limo {flags(m)}"
 
 
 def gib(b):
@@ -302,7 +301,7 @@ def render(args):
                    f"| {peaks(gae)} | `{flags(grpo) if grpo else 'does not fit'}` | {peaks(grpo)} |")
     for adv in ("gae", "grpo"):
         out += ["", f"`--adv {adv}`:", "", "```bash"]
-        out += [command(name, plans[name][adv], setup) for name, _ in shapes if plans[name][adv]] + ["```"]
+        out += [command(name, plans[name][adv], setup.gpus) for name, _ in shapes if plans[name][adv]] + ["```"]
     out += [""] + lora_table(args, shapes)
     out += ["", "## Check: the model against the measured 1.5B figures", ""] + check_1_5b()
     for name, cfg in shapes:
@@ -341,16 +340,17 @@ def lora_table(args, shapes):
            "fine-tuning (the frozen layers still pass gradients to their inputs).", "",
            "| model | `--adv` | full fine-tune: GPUs, state at rest per GPU | flags | "
            f"`--lora-rank {r}`: GPUs, state at rest per GPU | flags |", "|---|---|---|---|---|---|"]
-    for name, cfg in shapes:
+    fewest = {(name, adv, rank): fewest_gpus(cfg, args, adv, rank) for name, cfg in shapes
+              for adv in ("gae", "grpo") for rank in (0, r)}
+    for name, _ in shapes:
         for adv in ("gae", "grpo"):
             cells = []
-            for lora_rank in (0, r):
-                gpus, m = fewest_gpus(cfg, args, adv, lora_rank)
+            for rank in (0, r):
+                gpus, m = fewest[name, adv, rank]
                 cells += [f"{gpus}, {gib(m['rest'])} GiB", f"`{flags(m)}`"] if m else ["more than 8", "-"]
             out.append(f"| {name} | {adv} | " + " | ".join(cells) + " |")
-    out += ["", "```bash"] + [f"torchrun --nproc_per_node {gpus} train.py --model /path/to/{name} --data data/limo "
-                              f"{flags(m)}" for name, cfg in shapes for adv in ("grpo",)
-                              for gpus, m in [fewest_gpus(cfg, args, adv, r)] if m] + ["```"]
+    out += ["", "```bash"] + [command(name, m, gpus) for name, _ in shapes
+                              for gpus, m in [fewest[name, "grpo", r]] if m] + ["```"]
     out += ["", f"Trained parameters at `--lora-rank {r}`: " + ", ".join(
         f"{name.split('-')[-1]} {lora_params(cfg, r) / 1e6:.1f} M ({100 * lora_params(cfg, r) / param_counts(cfg)['actor']:.2f} %)"
         for name, cfg in shapes) + "."]

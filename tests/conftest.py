@@ -45,6 +45,24 @@ def write_jsonl(path, rows):
     return path
 
 
+# ----------------------------------------------------------------------------- train.py runs on the tiny model
+
+def train_args(model_dir, out, steps, *extra):
+    # fp32 everywhere and a high LR: the run must change the weights, and resume must match to 1e-4
+    return ["--model", str(model_dir), "--data", "arith_train", "--out", str(out), "--steps", str(steps),
+            "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "1", "--turn-tokens", "8",
+            "--micro-batch-size", "4", "--mini-batch-size", "4", "--actor-lr", "1e-4", "--critic-lr", "1e-4",
+            "--actor-warmup-ratio", "0", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
+            *extra]
+
+
+VALIDATE = ["--val-data", "arith_test", "--val-limit", "4", "--val-freq", "3"]  # greedy, after step 3
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+
+
 @pytest.fixture(scope="session")
 def torchrun():
     """torchrun(script, *argv, env=CPU_ENV, nproc=2, timeout=600) -> CompletedProcess: `nproc` ranks on this

@@ -2,7 +2,6 @@
 PEFT's own loader, plain PyTorch for FSDP2 on 2 ranks; and train.py with --lora-rank end to end on 2 ranks."""
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import checkpoint
 import lora
 import model as M
 import parallel
-from conftest import CPU_ENV, run_script
+from conftest import CPU_ENV, VALIDATE, metrics, run_script, train_args
 from trainer_setup import lora_mismatch
 
 RANK, ALPHA = 4, 8.0
@@ -148,17 +147,9 @@ def test_resume_refuses_other_adapters_or_another_base(tiny_model_dir, tmp_path)
 # ----------------------------------------------------------------------------- train.py --lora-rank end to end
 
 def lora_args(model_dir, out, *extra):
-    # fp32 and a high LR (as test_train): the adapters must move the policy, and resume must match to 1e-4
-    return ["--model", str(model_dir), "--data", "arith_train", "--out", str(out), "--steps", "3",
-            "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "1", "--turn-tokens", "8",
-            "--micro-batch-size", "4", "--mini-batch-size", "4", "--actor-lr", "1e-3", "--critic-lr", "1e-3",
-            "--actor-warmup-ratio", "0", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
-            "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--save-freq", "2",
-            "--val-data", "arith_test", "--val-limit", "4", "--val-freq", "3", *extra]
-
-
-def metrics(out):
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    # test_train's fp32 run with a higher LR (the adapters must move the policy), checkpoints at 2, validation at 3
+    return train_args(model_dir, out, 3, "--actor-lr", "1e-3", "--critic-lr", "1e-3", "--lora-rank", str(RANK),
+                      "--lora-alpha", str(ALPHA), "--save-freq", "2", *VALIDATE, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import ROOT, VALIDATE, metrics, run_script, train_args
 
 pytestmark = pytest.mark.slow  # every test here starts train.py
 KEYS = ["step", "reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", "kl/mean", "loss/pg", "loss/vf",
@@ -15,26 +15,10 @@ KEYS = ["step", "reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", 
         "throughput/tokens_per_s", "perf/tflops/logprobs", "perf/tflops/update"]
 
 
-def train_args(model_dir, out, steps, *extra):
-    # fp32 everywhere and a high LR: the run must change the weights, and resume must match to 1e-4
-    return ["--model", str(model_dir), "--data", "arith_train", "--out", str(out), "--steps", str(steps),
-            "--batch-size", "4", "--samples-per-prompt", "2", "--max-turns", "1", "--turn-tokens", "8",
-            "--micro-batch-size", "4", "--mini-batch-size", "4", "--actor-lr", "1e-4", "--critic-lr", "1e-4",
-            "--actor-warmup-ratio", "0", "--dtype", "float32", "--engine-dtype", "float32", "--enforce-eager",
-            *extra]
-
-
-VALIDATE = ["--val-data", "arith_test", "--val-limit", "4", "--val-freq", "3"]  # greedy, after step 3
-
-
 def train_on_two_ranks(torchrun, args, env):
     proc = torchrun("train.py", *args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def metrics(out):
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
