@@ -240,8 +240,9 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
 def smol_engine(smollm2_dir):
     import engines
 
+    # eager: vLLM's CPU compile of SmolLM2 costs a minute here; test_end_to_end_tiny_vllm covers the compiled path
     engine = engines.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024,
-                                 gpu_memory_utilization=0.25)  # GPU: leaves room for eval.py subprocesses
+                                 enforce_eager=True, gpu_memory_utilization=0.25)  # GPU: room for eval.py subprocesses
     yield engine
     engine.close()
 

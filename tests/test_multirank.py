@@ -116,7 +116,7 @@ def test_two_tensor_parallel_engines_on_four_ranks_with_uneven_turns(tiny_model_
 
     if not current_platform.is_cpu() and torch.cuda.device_count() < 4:
         pytest.skip("4 ranks with vLLM's CUDA build need 4 GPUs")
-    env = {**vllm_two_rank_env, "SCRIPT_TP": "2", "SCRIPT_WORLD": "4", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**vllm_two_rank_env, "SCRIPT_TP": "2", "SCRIPT_WORLD": "4"}
     rows = uneven_runs(torchrun, tiny_model_dir, tmp_path, env, nproc=4, extra=("--engine-tp", "2"))
     for r in rows[1:]:
         assert r["turns/mean"] == 2.0 and r["reward/mean"] == 0.5, r

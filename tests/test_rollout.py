@@ -354,7 +354,7 @@ def test_cli_on_one_engine_over_two_ranks_writes_what_one_process_writes(tiny_mo
     argv = ["--model", tiny_model_dir, "--data", "arith_test", "--limit", "3", "--samples-per-prompt", "2",
             "--max-turns", "1", "--turn-tokens", "8", "--temperature", "1.0", "--engine-dtype", "float32",
             "--enforce-eager"]
-    env = {**vllm_two_rank_env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = vllm_two_rank_env
     one = run_script("rollout.py", *argv, "--out", tmp_path / "one.jsonl", env=env)
     assert one.returncode == 0, one.stderr[-2000:]
     two = torchrun("rollout.py", *argv, "--engine-tp", "2", "--out", tmp_path / "two.jsonl", env=env, timeout=600)
