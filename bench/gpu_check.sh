@@ -14,14 +14,15 @@
 #   2. torchrun --nproc_per_node 1 train.py --engine hf (one rank, NCCL, bf16 mixed precision) on a small random
 #      Llama (hidden 512, 8 layers; built there from the tokenizer) with --grad-checkpointing off and on, printing
 #      the peak CUDA memory of the PPO update and of the whole run: checkpointing must lower the update peak; then
-#      once more with --compile added (it must run; its peak is printed).
+#      once more with --compile added (it must run; its peak is printed), and with --lora-rank 16 (its whole-run
+#      peak must be below full fine-tuning's: no fp32 master weights, gradients or Adam state for the base).
 #   3. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
-# Environment: PYTHON (default python3), BENCH_TIMEOUT (420), STEP_TIMEOUT (240 per training run), TEST_TIMEOUT
-# (300); OUT: a folder that gets gpu_bench.json.
+# Environment: PYTHON (default python3), BENCH_VARIANTS (gpu_bench --variants), BENCH_TIMEOUT (420), STEP_TIMEOUT
+# (240 per training run), TEST_TIMEOUT (300), GPU_CHECK_WORK (runs/gpu_check: its own folder lets two parts run at once); OUT: gets gpu_bench.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-WORK=runs/gpu_check
+WORK=${GPU_CHECK_WORK:-runs/gpu_check}  # one per concurrent invocation
 
 if [[ "${1:-}" == "prepare" ]]; then
     src=${MUTIS_MODELS_DIR:-models}/smollm2-135m-instruct
@@ -94,6 +95,7 @@ EOF
 if [[ $PARTS == *" bench "* ]]; then
 echo "== bench/gpu_bench.py: model TFLOP/s, memory per token, padding (before: .before/, an earlier commit, if present)"
 before=(); [[ -f .before/train.py ]] && before=(--before .before)
+[[ -n "${BENCH_VARIANTS:-}" ]] && before+=(--variants "$BENCH_VARIANTS")
 timeout "${BENCH_TIMEOUT:-420}" "$PY" bench/gpu_bench.py "${before[@]}" --out "$WORK/gpu_bench.json" \
     || { echo "gpu_bench: FAILED or timed out"; fail=1; }
 [[ -n "${OUT:-}" && -f $WORK/gpu_bench.json ]] && cp "$WORK/gpu_bench.json" "$OUT/"
@@ -101,13 +103,14 @@ fi
 
 if [[ $PARTS == *" train "* ]]; then
 echo "== train.py --engine hf, 1 rank, NCCL, bf16 mixed precision"
-declare -A PEAK
+declare -A PEAK RUN
 for m in $MODELS; do
-    for gc in off on compile; do
+    for gc in off on compile lora; do
         out=$WORK/out-$(basename "$m")-$gc
         rm -rf "$out"
         flag=(); [[ $gc == on ]] && flag=(--grad-checkpointing)
         [[ $gc == compile ]] && flag=(--grad-checkpointing --compile)
+        [[ $gc == lora ]] && flag=(--lora-rank 16)
         t0=$(date +%s)
         timeout "${STEP_TIMEOUT:-240}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 "$WORK/peak.py" \
             --model "$m" --data arith_train --out "$out" --steps 2 --batch-size 4 --samples-per-prompt 2 \
@@ -119,11 +122,18 @@ for m in $MODELS; do
         grep '^step ' "$out.log" | tail -2
         if [[ $rc -ne 0 ]]; then tail -25 "$out.log"; fail=1; fi
         PEAK[$m-$gc]=$(echo "$line" | sed -n 's/.*"update_gib": \([0-9.]*\).*/\1/p')
+        RUN[$m-$gc]=$(echo "$line" | sed -n 's/.*"run_gib": \([0-9.]*\).*/\1/p')
     done
     off=${PEAK[$m-off]:-}; on=${PEAK[$m-on]:-}
     if [[ -n $off && -n $on ]]; then
         verdict=$("$PY" -c "print('OK: lower' if $on < $off else 'FAIL: not lower')")
         echo "CHECK $(basename "$m"): update peak off $off GiB, on $on GiB -> $verdict"
+        [[ $verdict == OK* ]] || fail=1
+    fi
+    off=${RUN[$m-off]:-}; lo=${RUN[$m-lora]:-}
+    if [[ -n $off && -n $lo ]]; then
+        verdict=$("$PY" -c "print('OK: lower' if $lo < $off else 'FAIL: not lower')")
+        echo "CHECK $(basename "$m"): run peak full $off GiB, --lora-rank 16 $lo GiB -> $verdict"
         [[ $verdict == OK* ]] || fail=1
     fi
 done
@@ -133,8 +143,8 @@ if [[ $PARTS == *" tests "* ]]; then
 echo "== pytest: the files that need no vLLM"
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider tests/test_data.py tests/test_reward.py \
     tests/test_ppo.py tests/test_model.py tests/test_packing.py tests/test_engine.py tests/test_train_units.py \
-    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py tests/test_gpu_path.py \
-    -k "not smollm2_generates" -rs 2>&1 | tail -25
+    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py tests/test_gpu_path.py tests/test_lora.py \
+    -k "not smollm2_generates" -rs 2>&1 | tee "${OUT:-$WORK}/pytest.log" | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
 fi
 echo "== gpu_check: $([[ $fail -eq 0 ]] && echo PASSED || echo FAILED)"
