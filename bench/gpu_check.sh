@@ -18,7 +18,8 @@
 #      peak must be below full fine-tuning's: no fp32 master weights, gradients or Adam state for the base).
 #   3. the pytest files that need no vLLM (vLLM tests skip themselves with a printed reason).
 # Environment: PYTHON (default python3), BENCH_VARIANTS (gpu_bench --variants), BENCH_TIMEOUT (420), STEP_TIMEOUT
-# (240 per training run), TEST_TIMEOUT (300), GPU_CHECK_WORK (runs/gpu_check: its own folder lets two parts run at once); OUT: gets gpu_bench.json.
+# (240 per training run), TEST_TIMEOUT (300), GPU_CHECK_WORK (runs/gpu_check; a folder of its own lets two parts
+# run at once); OUT: a folder that gets gpu_bench.json and pytest.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -143,7 +144,8 @@ if [[ $PARTS == *" tests "* ]]; then
 echo "== pytest: the files that need no vLLM"
 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider tests/test_data.py tests/test_reward.py \
     tests/test_ppo.py tests/test_model.py tests/test_packing.py tests/test_engine.py tests/test_train_units.py \
-    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py tests/test_gpu_path.py tests/test_lora.py \
+    tests/test_turn_rule.py tests/test_multirank.py tests/test_dtype.py tests/test_compile.py tests/test_gpu_path.py \
+    tests/test_lora.py \
     -k "not smollm2_generates" -rs 2>&1 | tee "${OUT:-$WORK}/pytest.log" | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || fail=1
 fi
