@@ -219,6 +219,17 @@ def failure(code, log):
     return last_line(log)
 
 
+def without_out(argv):
+    """argv less its --out DIR (or --out=DIR): what the summary shows, since each run writes to OUT/<name>-s<seed>
+    (train_run's --out comes last and wins); the stored arguments keep it, so kept runs still match."""
+    shown, skip = [], False
+    for a in argv:
+        if not skip and a != "--out" and not a.startswith("--out="):
+            shown.append(a)
+        skip = a == "--out" and not skip
+    return shown
+
+
 def train_run(name, seed, args, out, launcher):
     """train.py with args (base + the run's extra) at this seed into OUT/<name>-s<seed>; compare.json on success."""
     d = out / f"{name}-s{seed}"
@@ -354,7 +365,7 @@ def summarize(out, ta, base, cap, T, opts, notes):
         "## Settings", "",
         f"- Every run: model `{ta.model}`, data `{ta.data}`, {steps} of {ta.batch_size} prompts x "
         f"{ta.samples_per_prompt} samples (the same rollouts per step), seeds {sorted({s for _, s, _, _ in found})}; "
-        f"train.py arguments `{' '.join(base)}`.",
+        f"train.py arguments `{' '.join(without_out(base))}`, each run's `--out` {out}/<run>-s<seed>.",
         f"- MuTIS budget: {T}-token turns, up to {ta.max_turns} interventions of {opts.intervention_tokens} tokens: "
         f"a trajectory reaches at most {cap} tokens (the single-turn cap below).",
         f"- Validation while training (val columns, the markers in curves.png): greedy, each run in its own rollout "

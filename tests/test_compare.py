@@ -275,3 +275,9 @@ def test_a_rerun_keeps_runs_finished_with_the_same_arguments(tmp_path, monkeypat
     (stopped / "metrics.jsonl").write_text("{}\n")                # killed mid-run: no compare.json
     compare.train_run("single_cap", 1, args, tmp_path, "")
     assert trained[-1] == "single_cap-s1" and json.loads((stopped / "compare.json").read_text())["args"] == args
+
+
+def test_the_summary_shows_the_base_arguments_without_the_demo_out():
+    base = ["--model", "smollm2", "--out", "runs/demo", "--steps", "12", "--out=x", "--outcome", "y"]
+    assert compare.without_out(base) == ["--model", "smollm2", "--steps", "12", "--outcome", "y"]
+    assert compare.without_out(["--out", "--steps"]) == []  # a value that looks like a flag is still the value
