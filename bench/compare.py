@@ -222,11 +222,12 @@ def failure(code, log):
 def without_out(argv):
     """argv less its --out DIR (or --out=DIR): what the summary shows, since each run writes to OUT/<name>-s<seed>
     (train_run's --out comes last and wins); the stored arguments keep it, so kept runs still match."""
-    shown, skip = [], False
-    for a in argv:
-        if not skip and a != "--out" and not a.startswith("--out="):
+    shown, rest = [], iter(argv)
+    for a in rest:
+        if a == "--out":
+            next(rest, None)  # its value, whatever it looks like
+        elif not a.startswith("--out="):
             shown.append(a)
-        skip = a == "--out" and not skip
     return shown
 
 

@@ -95,9 +95,9 @@ EOF
 
 if [[ $PARTS == *" bench "* ]]; then
 echo "== bench/gpu_bench.py: model TFLOP/s, memory per token, padding (before: .before/, an earlier commit, if present)"
-before=(); [[ -f .before/train.py ]] && before=(--before .before)
-[[ -n "${BENCH_VARIANTS:-}" ]] && before+=(--variants "$BENCH_VARIANTS")
-timeout "${BENCH_TIMEOUT:-420}" "$PY" bench/gpu_bench.py "${before[@]}" --out "$WORK/gpu_bench.json" \
+bench_args=(); [[ -f .before/train.py ]] && bench_args=(--before .before)
+[[ -n "${BENCH_VARIANTS:-}" ]] && bench_args+=(--variants "$BENCH_VARIANTS")
+timeout "${BENCH_TIMEOUT:-420}" "$PY" bench/gpu_bench.py "${bench_args[@]}" --out "$WORK/gpu_bench.json" \
     || { echo "gpu_bench: FAILED or timed out"; fail=1; }
 [[ -n "${OUT:-}" && -f $WORK/gpu_bench.json ]] && cp "$WORK/gpu_bench.json" "$OUT/"
 fi
@@ -105,6 +105,13 @@ fi
 if [[ $PARTS == *" train "* ]]; then
 echo "== train.py --engine hf, 1 rank, NCCL, bf16 mixed precision"
 declare -A PEAK RUN
+check_lower() {  # LABEL BEFORE_GIB AFTER_GIB: AFTER must be below BEFORE (skipped where a run printed no peak)
+    [[ -n $2 && -n $3 ]] || return 0
+    local verdict
+    verdict=$("$PY" -c "print('OK: lower' if $3 < $2 else 'FAIL: not lower')")
+    echo "CHECK $1: $2 GiB -> $3 GiB: $verdict"
+    [[ $verdict == OK* ]] || fail=1
+}
 for m in $MODELS; do
     for gc in off on compile lora; do
         out=$WORK/out-$(basename "$m")-$gc
@@ -125,18 +132,8 @@ for m in $MODELS; do
         PEAK[$m-$gc]=$(echo "$line" | sed -n 's/.*"update_gib": \([0-9.]*\).*/\1/p')
         RUN[$m-$gc]=$(echo "$line" | sed -n 's/.*"run_gib": \([0-9.]*\).*/\1/p')
     done
-    off=${PEAK[$m-off]:-}; on=${PEAK[$m-on]:-}
-    if [[ -n $off && -n $on ]]; then
-        verdict=$("$PY" -c "print('OK: lower' if $on < $off else 'FAIL: not lower')")
-        echo "CHECK $(basename "$m"): update peak off $off GiB, on $on GiB -> $verdict"
-        [[ $verdict == OK* ]] || fail=1
-    fi
-    off=${RUN[$m-off]:-}; lo=${RUN[$m-lora]:-}
-    if [[ -n $off && -n $lo ]]; then
-        verdict=$("$PY" -c "print('OK: lower' if $lo < $off else 'FAIL: not lower')")
-        echo "CHECK $(basename "$m"): run peak full $off GiB, --lora-rank 16 $lo GiB -> $verdict"
-        [[ $verdict == OK* ]] || fail=1
-    fi
+    check_lower "$(basename "$m"): update peak, --grad-checkpointing off -> on" "${PEAK[$m-off]:-}" "${PEAK[$m-on]:-}"
+    check_lower "$(basename "$m"): run peak, full -> --lora-rank 16" "${RUN[$m-off]:-}" "${RUN[$m-lora]:-}"
 done
 fi
 

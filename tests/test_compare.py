@@ -209,11 +209,12 @@ def test_a_killed_run_is_named_by_its_signal(tmp_path):
     assert compare.failure(2, log) == "--data x: no such file"
 
 
-def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypatch):
-    """--summarize after adding a protocol runs eval.py only where its arguments changed (or it never finished)."""
+def fake_eval_py(monkeypatch):
+    """compare.stream replaced for eval.py: it writes what eval.py writes for the checkpoints on its command line
+    (accuracy 0.5 on 2 problems at 9 tokens) -> the list of command lines it was given."""
     calls = []
 
-    def fake_eval(cmd, log, label, show=None):  # what eval.py writes, for the checkpoints on its command line
+    def fake_eval(cmd, log, label, show=None):
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +225,12 @@ def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypat
                                                                "decoded_tokens": 9}) + "\n" for c in ckpts))
         return 0
     monkeypatch.setattr(compare, "stream", fake_eval)
+    return calls
+
+
+def test_an_eval_directory_from_the_same_arguments_is_reused(tmp_path, monkeypatch):
+    """--summarize after adding a protocol runs eval.py only where its arguments changed (or it never finished)."""
+    calls = fake_eval_py(monkeypatch)
     ta = train.parse_args(BASE)
     opts, _ = compare.parse_args(["--eval-limit", "2"])
     found = [("mutis", 0, tmp_path / "mutis-s0", {})]
@@ -277,7 +284,23 @@ def test_a_rerun_keeps_runs_finished_with_the_same_arguments(tmp_path, monkeypat
     assert trained[-1] == "single_cap-s1" and json.loads((stopped / "compare.json").read_text())["args"] == args
 
 
-def test_the_summary_shows_the_base_arguments_without_the_demo_out():
+def test_the_summary_shows_the_base_arguments_without_the_demo_out(tmp_path, monkeypatch):
+    """BASE carries the demo's --out runs/demo, which each run's own --out overrides: summary.md must not show it
+    (a reader would look for the runs there), summary.json keeps the arguments as given."""
     base = ["--model", "smollm2", "--out", "runs/demo", "--steps", "12", "--out=x", "--outcome", "y"]
     assert compare.without_out(base) == ["--model", "smollm2", "--steps", "12", "--outcome", "y"]
     assert compare.without_out(["--out", "--steps"]) == []  # a value that looks like a flag is still the value
+
+    fake_eval_py(monkeypatch)
+    d = tmp_path / "mutis-s0"
+    (d / "step_000002").mkdir(parents=True)
+    (d / "latest").symlink_to("step_000002")
+    (d / "compare.json").write_text(json.dumps({"run": "mutis", "seed": 0, "wall_s": 1.0,
+                                                "args": BASE + compare.run_spec("mutis")[1](64, 264)}))
+    opts, _ = compare.parse_args(["--eval-limit", "2"])
+    opts.intervention_tokens = 40  # compare.main counts them with the tokenizer
+    compare.summarize(tmp_path, train.parse_args(BASE), BASE, 264, 64, opts, [])
+    settings = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "train.py arguments" in line)
+    assert "runs/demo" not in settings and " ".join(compare.without_out(BASE)) in settings, settings
+    assert f"each run's `--out` {tmp_path}/<run>-s<seed>" in settings
+    assert json.loads((tmp_path / "summary.json").read_text())["settings"]["train_args"] == BASE
