@@ -6,11 +6,15 @@ import contextlib
 import gc
 import glob
 import hashlib
+import json
+import logging
 import math
 import os
+import re
 import time
 from array import array
 from collections import namedtuple
+from pathlib import Path
 
 import torch
 
@@ -27,6 +31,11 @@ class RolloutTimeout(RuntimeError):
     """An engine call ran past --rollout-timeout; nothing from the call is returned."""
 
 
+class SyncIncomplete(RuntimeError):
+    """A weight sync left some of the engine's weights unloaded: it would sample from a model the trainer does not
+    have (the message names them; the caller adds the flags that chose what was sent)."""
+
+
 def _per_prompt(value, m):
     return list(value) if isinstance(value, (list, tuple)) else [value] * m
 
@@ -35,8 +44,17 @@ def _deadline(timeout):
     return None if not timeout else time.monotonic() + timeout
 
 
-def _check_deadline(deadline, timeout, done, total):
-    if deadline is not None and time.monotonic() > deadline:
+def _check_deadline(deadline, timeout, done, total, group=None):
+    """Raise RolloutTimeout past the deadline. group: the ranks of a tensor-parallel engine, which decide together
+    (each engine step is a collective over them: a rank that stopped alone would leave its partners blocked in it)."""
+    if deadline is None:
+        return
+    late = time.monotonic() > deadline
+    if group is not None:
+        from parallel import group_any
+
+        late = group_any(late, group)
+    if late:
         raise RolloutTimeout(f"engine call exceeded --rollout-timeout {timeout:g}s "
                              f"({done}/{total} requests done); no partial batch is returned")
 
@@ -49,7 +67,15 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
     external_launcher), so LLM.collective_rpc / LLM.apply_model call into the one worker directly, arguments
     as they are (a generator of tensors, a closure), nothing serialised.
       op="reload": load full (name, tensor) pairs in HF names, in place, through the worker's reload_weights
-        (model.load_weights fails after start-up on the CPU backend: weights are repacked at load).
+        (model.load_weights fails after start-up on the CPU backend: weights are repacked at load) -> vLLM's own
+        warnings that a layer or parameter received nothing (layerwise.py "<Layer>: Failed to load weights",
+        inplace.py "Following weights were not loaded ..."), taken off the console: the caller judges them.
+      op="discard": what a GPU's sleep(level=2) leaves of the weights, on the CPU backend, which has no sleep mode:
+        every parameter filled with NaN, and every packed CPU GEMM (a layer's `cpu_linear`, which holds its own
+        copy of the weight) answering NaN, until a reload of that layer replaces it; buffers stay (the GPU worker
+        saves and restores them).
+      op="discarded": the parameters and layers a discard left that no reload has replaced since (names).
+      op="largest_layer": bytes of the largest layer's own parameters (its share on this rank).
       op="shutdown": stop the engine core (LLM has no close()).
       op="activation_peak": the GPU worker's profiled activation peak (peak_activation_memory, set by
         determine_available_memory), which its KV cache was sized to leave room for."""
@@ -59,8 +85,19 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
     if op == "activation_peak":  # bytes, or None where the worker has no such measure (CPU, other versions)
         peaks = llm.collective_rpc(lambda worker: getattr(worker, "peak_activation_memory", None))
         return peaks[0] if peaks else None
+    if op in ("discard", "discarded", "largest_layer"):
+        return llm.apply_model({"discard": _discard, "discarded": _discarded,
+                                "largest_layer": _largest_layer}[op])[0]
     assert op == "reload", op
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+    heard = _Unloaded()
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    for log in loggers:
+        log.addFilter(heard)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+    finally:
+        for log in loggers:
+            log.removeFilter(heard)
     if repack_tied_head:
         def repack(model):
             # vLLM 0.32 CPU: a tied lm_head loads no tensor of its own, so its packed GEMM kept the old
@@ -69,6 +106,53 @@ def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
             if hasattr(lm_head, "cpu_linear"):
                 lm_head.quant_method.process_weights_after_loading(lm_head)
         llm.apply_model(repack)
+    return heard.messages
+
+
+class _Unloaded(logging.Filter):
+    """Collects vLLM's warnings that a reload left something unloaded, and keeps them off the console."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def filter(self, record):
+        message = record.getMessage()
+        if "Failed to load weights" in message or "were not loaded" in message:
+            self.messages.append(message)
+            return False
+        return True
+
+
+class _NaNLinear:
+    """A discarded layer's GEMM: the layer's own output shape, every value NaN (uninitialised memory at worst)."""
+
+    def __init__(self, packed):
+        self.packed = packed
+
+    def __call__(self, x, weight, bias=None):
+        return self.packed(x, weight, bias).fill_(float("nan"))
+
+
+def _discard(model):
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.numel() and p.is_floating_point():
+                p.data.fill_(float("nan"))
+        if callable(getattr(module, "cpu_linear", None)) and not isinstance(module.cpu_linear, _NaNLinear):
+            module.cpu_linear = _NaNLinear(module.cpu_linear)
+
+
+def _discarded(model):
+    layers = [f"{n}.weight (its packed GEMM)" for n, m in model.named_modules()
+              if isinstance(getattr(m, "cpu_linear", None), _NaNLinear)]
+    return layers + [n for n, p in model.named_parameters()
+                     if p.numel() and p.is_floating_point() and bool(torch.isnan(p).any())]
+
+
+def _largest_layer(model):
+    return max((sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()),
+               default=0)
 
 
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
@@ -110,6 +194,34 @@ def check_tensor_parallel(model_path, tp, world):
     if world % tp:
         die(f"--engine-tp {tp} must divide the number of ranks ({world}): run {tp} x N ranks "
             f"(torchrun --nproc_per_node {tp})")
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if node % tp:
+        die(f"--engine-tp {tp} must divide the ranks of a node ({node}, torchrun's --nproc_per_node): an engine's "
+            f"ranks are contiguous, so some engines would span two nodes and cross the network at every layer")
+
+
+def needed_tensors(model_path, tied):
+    """{HF name: shape}: what every weight sync into an engine started from `model_path` must send, since a sleep
+    (level 2 on a GPU; engines.VLLMEngine.sleep on a CPU) discards every weight, and vLLM rebuilds a fused layer
+    (q/k/v, gate/up) it receives in part from uninitialised memory: every tensor of the model's safetensors files
+    (the index's, when there is one), less what vLLM never loads from a checkpoint (rotary caches, computed from the
+    config; a tied lm_head, which is the embedding). None where the weights are no local safetensors files (a hub
+    id): vLLM's own "not loaded" warnings, and on a CPU the discarded weights, still stop an incomplete sync."""
+    from parallel import safetensors_index
+
+    path = Path(model_path)
+    index = path / "model.safetensors.index.json"
+    files = (sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file()
+             else sorted(path.glob("*.safetensors")))
+    if not files:
+        return None
+    return {name: tuple(shape) for name, (_, _, shape, _) in safetensors_index(files).items()
+            if "rotary_emb." not in name and not (tied and name == "lm_head.weight")}
+
+
+# vLLM's "<layer>: Failed to load weights" that every sync of every model gives, and why nothing is lost: rotary
+# layers hold a cos/sin cache computed from the config (a buffer, in no checkpoint; a sleep keeps buffers).
+_NOTHING_LOST = re.compile(r"\w*RotaryEmbedding: Failed to load weights")
 
 
 def _remove_stale_cpu_shm(members):
@@ -129,6 +241,7 @@ def _remove_stale_cpu_shm(members):
 
 class VLLMEngine:
     tp, members, group = 1, [0], None  # tensor parallel: the ranks sharing this engine, a gloo group over them
+    needed, tied, sync_peak = None, False, 0  # what a sync must send (needed_tensors), a tied head, its transient bytes
 
     def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
                  distributed=False, enforce_eager=False, kv_cache_gib=None, tp=1):
@@ -206,6 +319,12 @@ class VLLMEngine:
         self.reserved = 0 if self.on_cpu else math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
         self.calls = 0  # request ids: f'{call}-{i}'
         self.tp = tp
+        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+        self.needed = needed_tensors(model_path, self.tied)
+        # A sync holds each layer's full tensors (as sent) until the layer is complete, plus the layer rebuilt on
+        # this rank (vLLM's layerwise reload): tp + 1 times the largest layer's share here, at most, before
+        # generate's activations (the KV cache is still asleep then).
+        self.sync_peak = 0 if self.on_cpu else _vllm_internal(self.llm, "largest_layer") * (tp + 1)
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None, poll=None):
@@ -241,7 +360,7 @@ class VLLMEngine:
                                  # rebuilds every running request's cumulative output at every step
                                  output_kind=RequestOutputKind.FINAL_ONLY)
                   for i in range(m)]
-        deadline = _deadline(timeout)
+        deadline = _deadline(timeout)  # (a tensor-parallel engine's ranks pass it together: _check_deadline)
         engine = self.llm.llm_engine
         # add_request + our own step loop (what LLM.generate does) so the deadline is checked every step.
         self.calls += 1
@@ -270,7 +389,7 @@ class VLLMEngine:
                         if on_finish is not None:
                             on_finish(int(out.request_id.rsplit("-", 1)[1]), done[out.request_id])
                         add(1 if max_in_flight else 0)
-                _check_deadline(deadline, timeout, len(done), m)
+                _check_deadline(deadline, timeout, len(done), m, self.group)
         except BaseException:
             engine.abort_request([r for r in req_ids[:added] if r not in done])
             raise
@@ -296,12 +415,18 @@ class VLLMEngine:
 
     def sleep(self, keep_weights=False):
         """Free accelerator memory for training. keep_weights=False (after a rollout): drop weights and KV cache
-        (vLLM's level 2; the next sync_weights overwrites every weight, so no CPU copy is kept). keep_weights=True
-        (after validation: the same weights sample the next rollout): free the KV cache only, weights stay on the
-        GPU (vLLM's public level-0 pause + release_kv_cache_memory; level 1 would copy the weights to host RAM and
-        back). No-op on CPU, where vLLM has no sleep mode."""
-        if self.on_cpu or "weights" in self.asleep or (keep_weights and self.asleep):
+        (vLLM's level 2; the next sync_weights sends every weight, needed_tensors, so no CPU copy is kept).
+        keep_weights=True (after validation: the same weights sample the next rollout): free the KV cache only,
+        weights stay on the GPU (vLLM's public level-0 pause + release_kv_cache_memory; level 1 would copy the
+        weights to host RAM and back). On a CPU, where vLLM has no sleep mode, the weights a GPU would drop are
+        destroyed instead (_vllm_internal "discard"): a sync that misses one fails there as it would on a GPU."""
+        if "weights" in self.asleep or (keep_weights and self.asleep):
             return  # nothing more to free
+        if self.on_cpu:
+            if not keep_weights:
+                _vllm_internal(self.llm, "discard")
+            self.asleep = {"kv_cache"} if keep_weights else {"weights", "kv_cache"}
+            return
         self._empty_cache()  # the trainer's cached blocks: not the engine's, keep them out of the measure
         before = self._free_bytes()
         if keep_weights:
@@ -338,8 +463,13 @@ class VLLMEngine:
     def _wake(self, tag):
         """Map `tag` again (weights or kv_cache), checking first that everything still asleep fits with generate's
         activation peak: the KV cache follows the weights before the next generate, so a short device fails at the
-        first of the two."""
-        self._check_memory("wake", self.asleep_bytes, self.activation_peak or 0)
+        first of the two. The weights' sync holds up to sync_peak bytes more meanwhile, freed before generate. On a
+        CPU nothing was freed: waking only marks the weights or the KV cache usable again."""
+        if self.on_cpu:
+            self.asleep.discard(tag)
+            return
+        peak = max(self.activation_peak or 0, self.sync_peak if tag == "weights" else 0)
+        self._check_memory("wake", self.asleep_bytes, peak)
         before = self._free_bytes()
         self.llm.wake_up(tags=[tag])
         self.asleep.discard(tag)
@@ -366,19 +496,45 @@ class VLLMEngine:
 
     def sync_weights(self, named_tensors):
         """Load full (name, tensor) pairs in HF checkpoint names, e.g. parallel.full_state_dict(...) (a generator:
-        each full tensor is gathered, loaded and dropped in turn). An engine that dropped its weights wakes them
-        only (empty PyTorch's cache, check the memory, wake, load, empty the cache again: the gathered tensors);
-        the KV cache stays asleep until the next generate (validation, checkpointing and the next rollout's
-        start run without it). The prefix cache is reset (old weights' KV). Floating tensors are cast to the
-        engine's dtype on the way (an fp32 trainer, a bf16 engine: half the copy)."""
-        named_tensors = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
+        each full tensor is gathered, loaded and dropped in turn; in the model's order, so that each layer completes
+        before the next one starts). An engine that dropped its weights wakes them only (empty PyTorch's cache,
+        check the memory, wake, load, empty the cache again: the gathered tensors); the KV cache stays asleep until
+        the next generate (validation, checkpointing and the next rollout's start run without it). The prefix
+        cache is reset (old weights' KV). Floating tensors are cast to the engine's dtype on the way (an fp32
+        trainer, a bf16 engine: half the copy). Raises SyncIncomplete when the engine is left with any weight
+        unloaded (_sync_gaps); it then holds a broken model until a complete sync."""
+        sent = {}
+
+        def cast(pairs):
+            for name, t in pairs:
+                sent[name] = tuple(t.shape)
+                yield name, t.to(self.dtype) if t.is_floating_point() else t
+
         if "weights" in self.asleep:  # (sleeping cleared the prefix cache; waking the KV cache resets it again)
             self._wake("weights")
-            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+            heard = _vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
             self._empty_cache()
         else:
-            _vllm_internal(self.llm, "reload", named_tensors, repack_tied_head=self.on_cpu)
+            heard = _vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
             self.llm.reset_prefix_cache()
+        if gaps := self._sync_gaps(sent, heard):
+            raise SyncIncomplete(f"the weight sync left the engine without {', '.join(gaps[:4])}"
+                                 + (f" and {len(gaps) - 4} more" if len(gaps) > 4 else ""))
+
+    def _sync_gaps(self, sent, heard):
+        """What a sync left unloaded, each named: tensors of needed_tensors it did not send (or sent in another
+        shape), vLLM's own warnings of layers and parameters that received nothing (less those true of every sync:
+        _NOTHING_LOST, and a tied lm_head, which is the embedding), and on a CPU every weight still discarded."""
+        gaps = []
+        if self.needed is not None:
+            gaps += [f"{n} (not sent)" for n in self.needed if n not in sent]
+            gaps += [f"{n} (sent {list(sent[n])}, the engine's is {list(s)})" for n, s in self.needed.items()
+                     if n in sent and sent[n] != s]
+        gaps += [f"vLLM: {m}" for m in heard if not _NOTHING_LOST.fullmatch(m)
+                 and not (self.tied and m == "ParallelLMHead: Failed to load weights")]
+        if self.on_cpu:
+            gaps += [f"{n} (still discarded)" for n in _vllm_internal(self.llm, "discarded")]
+        return gaps
 
 
 # ----------------------------------------------------------------------------- transformers engine

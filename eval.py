@@ -524,7 +524,10 @@ def main(argv=None):
                 tm = timings["checkpoints"][name] = {}
                 t = time.time()
                 if name != names[0]:  # the weight sync the trainer uses
-                    engine.sync_weights(checkpoint_tensors(paths[name]))
+                    try:
+                        engine.sync_weights(checkpoint_tensors(paths[name]))
+                    except engines.SyncIncomplete as e:  # (one checkpoint's tensors never stand in for another's)
+                        die(f"checkpoint {name}: {e}")
                     tm["load_weights_s"] = round(time.time() - t, 2)
                 t = time.time()
                 try:

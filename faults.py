@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from cli import error_line
+from engines import RolloutTimeout, SyncIncomplete
 from parallel import RanksDisagree, group_any, wait_for_keys
 
 ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
@@ -104,8 +105,9 @@ class Guard:
         it makes no collective, so ranks may leave it at different points); then the boundary raises StepAbandoned
         before the weights changed, and sets `stopping` after. commits: the step cannot be abandoned once fn is
         done (the update: its optimiser and LR steps). decides=False: the boundary waits for every rank, nothing
-        more (the checkpoint). A collective failing inside (a timeout, a dead peer) is one line naming the step and
-        the phase, exit 1."""
+        more (the checkpoint). A collective failing inside (a timeout, a dead peer), an engine call past
+        --rollout-timeout, a tensor-parallel engine's ranks disagreeing or a weight sync leaving the engine
+        incomplete is one line naming the step and the phase, exit 1."""
         self.where, result = name, None
         try:
             if not (interruptible and self.signalled.is_set() and self.engine_group is None):  # (a group polls)
@@ -115,8 +117,8 @@ class Guard:
             result = None
         except dist.DistError as e:
             self._die(f"a collective failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        except RanksDisagree as e:  # a tensor-parallel engine's ranks decoded different tokens
-            self._die(str(e))
+        except (RanksDisagree, RolloutTimeout, SyncIncomplete) as e:  # (a tensor-parallel engine's ranks decide each
+            self._die(str(e))                                          # together: they all get here)
         finally:
             self._interruptible = False
         self.weights_changed = self.weights_changed or commits

@@ -11,8 +11,8 @@ rest of each decoder layer. No dropout on the adapters (PPO's ratio needs the sa
 What the trainer takes from here:
   adapt(model, ...)           the adapters on a built model (meta or real)
   adapters_off(model)         the reference policy is the base itself: no second copy of the model
-  merged_weights(model, dt)   what the engine samples with: W + (alpha / r) B A of the adapted layers only, so vLLM
-                              runs its plain kernels (its LoRA path is slower) and the sync sends no embedding
+  merged_weights(model, dt)   what the engine samples with: the whole base, each adapted W as W + (alpha / r) B A,
+                              so vLLM runs its plain kernels (its LoRA path is slower)
   merge_state(state, model)   the HF export: a merged model that any loader reads
   save_peft(adapters, ...)    adapter_config.json + adapter_model.safetensors in PEFT's layout
 """
@@ -114,25 +114,36 @@ def merged(weight, a, b, scaling):
 
 
 def merged_weights(model, dtype):
-    """Yield (HF name, full merged weight in `dtype`) of every adapted layer, one at a time: the engine's weight sync.
-    Every rank must iterate (gathers are collectives). FSDP2 shards W [out, in] and B [out, r] alike along `out`,
-    so each rank merges its own rows with the gathered A [r, in] and one gather in the engine's dtype follows.
-    --offload: CPU shards move to the mesh's device first (parallel.on_mesh_device)."""
+    """Yield (HF name, full tensor in `dtype`) of every tensor of the base model, one at a time, in the model's order:
+    each adapted layer's W merged, the adapters themselves left out. All of it, every sync: an engine that slept
+    holds no weights (vLLM's level 2 on a GPU discards them all), and vLLM rebuilds a fused layer it receives in
+    part (q/k/v into qkv_proj, gate/up into gate_up_proj) from uninitialised memory; in this order each layer
+    completes before the next one starts. Every rank must iterate (gathers are collectives). FSDP2 shards W [out, in]
+    and B [out, r] alike along `out`, so each rank merges its own rows with the gathered A [r, in] and one gather in
+    the engine's dtype follows. --offload: CPU shards move to the mesh's device first (parallel.on_mesh_device)."""
     from torch.distributed.tensor import DTensor
 
-    from parallel import on_mesh_device  # (parallel imports this module)
+    from parallel import gathered, on_mesh_device, state_tensors  # (parallel imports this module)
 
     def local(t):
         return on_mesh_device(t.detach()) if isinstance(t, DTensor) else t.detach()
 
-    for name, m in adapted_layers(model):
+    layers = dict(adapted_layers(model))
+    for name, tensor in state_tensors(model):
+        owner, _, leaf = name.rpartition(".")
+        if owner.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            continue
+        if owner not in layers or leaf != "weight":
+            yield name, gathered(tensor, dtype)
+            continue
+        m = layers[owner]
         w, a, b = local(m.weight), local(m.lora_A.weight), local(m.lora_B.weight)
         if not isinstance(w, DTensor):
-            yield f"{name}.weight", merged(w, a, b, m.lora_scaling).to(dtype)
+            yield name, merged(w, a, b, m.lora_scaling).to(dtype)
             continue
         rows = merged(w.to_local(), a.full_tensor(), b.to_local(), m.lora_scaling).to(dtype)   # [out / W, in]
-        yield f"{name}.weight", DTensor.from_local(rows, w.device_mesh, w.placements, shape=w.shape,
-                                                   stride=w.stride(), run_check=False).full_tensor()
+        yield name, DTensor.from_local(rows, w.device_mesh, w.placements, shape=w.shape, stride=w.stride(),
+                                       run_check=False).full_tensor()
 
 
 def merge_state(state, model):

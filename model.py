@@ -120,20 +120,23 @@ def resolve_model(name_or_path, flag="--model"):
     return prepare_smollm2(MODELS_DIR / ALIASES[path]) if kind == "alias" else path
 
 
-def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=None):
+def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=None, arch="llama"):
     """A random Llama (default: small, head_dim 32: vLLM's CPU attention rejects 16) with SmolLM2's tokenizer; vocab:
-    rows of the embedding (default the tokenizer's; more: a larger model's shape, the extra rows never sampled)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    rows of the embedding (default the tokenizer's; more: a larger model's shape, the extra rows never sampled).
+    arch="qwen2": the R1-Distill-Qwen family's shape instead, q/k/v with biases and an lm_head of its own (untied)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_class, model_class, tied = {"llama": (LlamaConfig, LlamaForCausalLM, True),
+                                       "qwen2": (Qwen2Config, Qwen2ForCausalLM, False)}[arch]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, tie_word_embeddings=True, dtype="float32",
+        max_position_embeddings=2048, tie_word_embeddings=tied, dtype="float32",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -418,11 +421,13 @@ def main():
     tiny = sub.add_parser("tiny", help="write a small random Llama with the SmolLM2 tokenizer")
     tiny.add_argument("out_dir", help="output directory")
     tiny.add_argument("--seed", type=int, default=0, help="init seed")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"],
+                      help="llama (tied embeddings) or qwen2 (attention biases, an untied lm_head)")
     args = parser.parse_args()
     if args.cmd == "prepare":
         print(prepare_smollm2())
     else:
-        print(make_tiny(args.out_dir, seed=args.seed))
+        print(make_tiny(args.out_dir, seed=args.seed, arch=args.arch))
 
 
 if __name__ == "__main__":

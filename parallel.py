@@ -311,7 +311,7 @@ def _fill_shards(model, path, files, init_missing=None):
 
     index = safetensors_index(files)
     prefix = getattr(model.backbone, "base_model_prefix", "model") if isinstance(model, ValueModel) else None
-    for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
+    for name, tensor in state_tensors(model):
         keys = [name]
         if prefix and name.startswith("backbone."):  # a causal LM's file names the backbone "model."
             keys = [name[len("backbone."):], f"{prefix}.{name[len('backbone.'):]}"]
@@ -388,15 +388,24 @@ def full_state_dict(model, dtype=None):
     --offload on GPUs: each CPU shard moves to the GPU first and is gathered there (NCCL), as TRL and veRL do, not
     over gloo between host copies; one tensor at a time, so the GPU holds one shard and one full tensor beyond the
     model's own shards."""
+    for name, tensor in state_tensors(model):
+        yield name, gathered(tensor, dtype)
+
+
+def state_tensors(model):
+    """[(HF name, parameter or persistent buffer)] in the model's order: what a state dict holds, tied weights once."""
+    return [*model.named_parameters(), *persistent_buffers(model)]
+
+
+def gathered(tensor, dtype=None):
+    """The full tensor of a parameter or buffer (a collective for a DTensor: every rank calls it), floating ones cast
+    to `dtype` first (None keeps theirs)."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        if isinstance(tensor, DTensor):
-            tensor = on_mesh_device(tensor).full_tensor()
-        yield name, tensor
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return on_mesh_device(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def on_mesh_device(tensor):

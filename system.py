@@ -115,7 +115,8 @@ def choose_dtype(requested="auto", device=None, engine=None):
 
 # ----------------------------------------------------------------------------- quiet console
 
-# vLLM warnings that mean nothing for this project (shown with --verbose)
+# vLLM warnings that mean nothing for this project (shown with --verbose). None of them says that a weight was not
+# loaded: a weight sync hears those itself and stops (engines.VLLMEngine.sync_weights).
 VLLM_NOISE = (
     "The global random seed is set to",                # in-process engine: the trainer seeds everything itself
     "Enforce eager set",                               # --enforce-eager does what it says
@@ -127,11 +128,6 @@ VLLM_NOISE = (
     "is not found in LD_PRELOAD",                      # tcmalloc/iomp performance hints
     "doesn't allow to use `torch.set_num_threads`",    # rollout.py gives the trainer set_num_threads back
     "Passing raw prompts to InputProcessor is deprecated",
-    "RotaryEmbedding: Failed to load weights",         # weight sync: no trainable weights in the layer
-    "ParallelLMHead: Failed to load weights",          # weight sync of tied embeddings; an untied lm_head is sent
-    "VocabParallelEmbedding: Failed to load weights",  # LoRA's sync sends the adapted layers only (lora.py)
-    "RMSNorm: Failed to load weights",
-    "Following weights were not loaded from checkpoint",
     "into parameter with dtype",                       # fp32 master weights (or checkpoint) cast to the engine dtype
     "does not officially support disabling chunked prefill",  # engines.py on CPU: seeded requests need it off
 )

@@ -45,7 +45,7 @@ from logs import format_line, format_tokens, make_logger, report, step_metrics, 
 from packing import forward_pass, micro_batches, pack
 from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, reshard
 from system import quiet_logs
-from trainer_setup import engine_weights, logged_validations, models_and_optimisers, resume, setup, trainer_state
+from trainer_setup import logged_validations, models_and_optimisers, resume, setup, sync_engine, trainer_state
 
 
 def parse_args(argv=None):
@@ -240,7 +240,7 @@ def main(argv=None):
         # ---- 6. sync the new weights into the engine (not when stopping: the checkpoint has them)
         with timed(timer, "sync"):
             if not guard.stopping:
-                guard.run("sync", lambda: run.engine.sync_weights(engine_weights(run)))
+                guard.run("sync", lambda: sync_engine(run))
 
         # ---- 7. log: sums over every rank's trajectories
         timer["step"] = time.time() - t_step

@@ -200,12 +200,20 @@ def adapter_init(args):
     return functools.partial(lora.initial_value, seed=args.seed) if args.lora_rank else None
 
 
-def engine_weights(run):
-    """(HF name, full tensor) pairs for the engine's weight sync, in its dtype: the whole actor, or with LoRA only the
-    adapted layers, merged (lora.merged_weights; the engine holds the rest of the base since it started)."""
-    if hasattr(run.actor, "lora_config"):
-        return lora.merged_weights(run.actor, run.engine.dtype)
-    return full_state_dict(run.actor, run.engine.dtype)
+def sync_engine(run):
+    """The actor into the engine: every tensor the engine loads, in its dtype (parallel.full_state_dict; with LoRA the
+    base with each adapted layer merged, lora.merged_weights). A sync that leaves any engine weight unloaded raises
+    engines.SyncIncomplete naming the weight, --model and the flags that chose what was sent."""
+    if run.lora:
+        pairs = lora.merged_weights(run.actor, run.engine.dtype)
+        flags = (f"--lora-rank {run.lora['r']} --lora-alpha {run.lora['alpha']:g} "
+                 f"--lora-targets {','.join(run.lora['targets'])}")
+    else:
+        pairs, flags = full_state_dict(run.actor, run.engine.dtype), "a full fine-tune"
+    try:
+        run.engine.sync_weights(pairs)
+    except engines.SyncIncomplete as e:
+        raise engines.SyncIncomplete(f"{e} (--model {run.model_path}, {flags})") from None
 
 
 def make_optimizer(model, lr, weight_decay):
@@ -243,7 +251,10 @@ def resume(args, run):
     run.run_id = state.get("run_id") or run.run_id  # a checkpoint older than run ids: this run's own from now on
     if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
         write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
-    run.engine.sync_weights(engine_weights(run))
+    try:
+        sync_engine(run)
+    except engines.SyncIncomplete as e:
+        die(f"--resume: {e}")
     say(f"[resume] {ckpt} at step {step}" + (" (its validation was cut short: running it first)"
                                                if state.get("pending") else ""), flush=True)
     return state

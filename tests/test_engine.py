@@ -2,6 +2,7 @@
 sleep/wake order, --attn-implementation reaching the loaded models, and the embedded model's prepare race
 between processes."""
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -50,17 +51,22 @@ class RecordingLLM:
         assert self.device["free"] >= 0, "CUDA out of memory"
         self.asleep -= tags
 
+    warnings = ()  # (vLLM module, layer class) of each "Failed to load weights" its reload logs, as vLLM would
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         assert "weights" not in self.asleep, "weights loaded into memory that is not mapped"
         loaded = list(kwargs["weights_iterator"])  # consumes the generator, as vLLM does
         names = [name for name, _ in loaded]
         self.dtypes = [t.dtype for _, t in loaded]
         self.log.append(("collective_rpc", method, names))
+        for module, layer in self.warnings:
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{module}").warning(
+                "%s: Failed to load weights", layer)
         return [None]
 
     def apply_model(self, fn):
-        self.log.append(("apply_model",))
-        return [None]
+        self.log.append(("apply_model", fn.__name__))
+        return [[]]  # (engines._discarded: nothing left discarded)
 
     def reset_prefix_cache(self):
         self.log.append(("reset_prefix_cache",))
@@ -140,15 +146,79 @@ def test_validation_sleep_keeps_the_weights_and_frees_the_kv_cache(monkeypatch):
     assert device["free"] == 14 * GiB
 
 
-def test_cpu_engine_never_sleeps_and_repacks_tied_head(monkeypatch):
+def test_cpu_engine_sleeps_as_a_gpu_would_and_repacks_tied_head(monkeypatch):
+    """vLLM has no sleep mode on a CPU: the rollout's sleep destroys the weights there (a GPU's level 2 drops them),
+    the engine cannot sample until a sync, and the sync checks that nothing is left destroyed. The validation's sleep
+    keeps the weights."""
     engine, log, _ = fake_engine(monkeypatch, on_cpu=True)
     engine.sleep()
-    engine.sleep(keep_weights=True)
+    engine.sleep(keep_weights=True)  # already asleep: nothing
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        generate(engine)
     engine.sync_weights([("model.norm.weight", torch.ones(2))])
     generate(engine)
-    assert calls(log) == [("collective_rpc", "reload_weights", ["model.norm.weight"]), ("apply_model",),
-                          ("reset_prefix_cache",), ("generate", 1)]
+    engine.sleep(keep_weights=True)
+    generate(engine)
+    assert calls(log) == [("apply_model", "_discard"),
+                          ("collective_rpc", "reload_weights", ["model.norm.weight"]), ("apply_model", "repack"),
+                          ("apply_model", "_discarded"),
+                          ("reset_prefix_cache",), ("generate", 1),  # the KV cache "woken" with its prefix cache reset
+                          ("reset_prefix_cache",), ("generate", 1)]  # (validation's sleep: no vLLM call on a CPU)
     assert engine.llm.dtypes == [torch.bfloat16]  # fp32 master weights arrive in the engine's dtype
+
+
+def test_a_sync_that_leaves_a_weight_unloaded_is_one_error_naming_it(monkeypatch, capsys):
+    """What the engine was started from must all come back (needed_tensors): a tensor not sent or sent in another
+    shape, and every layer vLLM says received nothing, name themselves; vLLM's warnings that hold for every sync
+    (a rotary cache, a tied head) pass, and none of them reaches the console."""
+    engine, log, _ = fake_engine(monkeypatch)
+    engine.needed = {"model.embed_tokens.weight": (2,), "model.layers.0.self_attn.k_proj.weight": (2,),
+                     "model.norm.weight": (2,)}
+    engine.tied = True
+    engine.llm.warnings = [("layerwise", "RotaryEmbedding"), ("layerwise", "Llama3RotaryEmbedding"),
+                           ("layerwise", "ParallelLMHead")]
+    whole = [("model.embed_tokens.weight", torch.zeros(2)), ("model.layers.0.self_attn.k_proj.weight", torch.zeros(2)),
+             ("model.norm.weight", torch.ones(2))]
+    engine.sync_weights(whole)  # complete
+    with pytest.raises(engines.SyncIncomplete) as e:
+        engine.sync_weights([whole[0], ("model.norm.weight", torch.ones(3))])
+    assert str(e.value) == ("the weight sync left the engine without model.layers.0.self_attn.k_proj.weight (not "
+                            "sent), model.norm.weight (sent [3], the engine's is [2])")
+    engine.tied = False  # an untied head is a weight of its own: vLLM's warning means it was not loaded
+    engine.llm.warnings = [("layerwise", "ParallelLMHead"), ("layerwise", "RMSNorm")]
+    with pytest.raises(engines.SyncIncomplete, match=r"without vLLM: ParallelLMHead: Failed to load weights, "
+                                                     r"vLLM: RMSNorm: Failed to load weights$"):
+        engine.sync_weights(whole)
+    assert "Failed to load" not in capsys.readouterr().err
+    import system
+
+    assert not [s for s in system.VLLM_NOISE if "not loaded" in s or "load weights" in s]  # none hides a lost weight
+
+
+def test_needed_tensors_follow_the_index_less_what_vllm_never_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(1)}, tmp_path / "model-1.safetensors")
+    save_file({"model.norm.weight": torch.zeros(2)}, tmp_path / "model-2.safetensors")
+    assert engines.needed_tensors(tmp_path, tied=True) == {"model.embed_tokens.weight": (4, 2),
+                                                           "model.norm.weight": (2,)}
+    assert "lm_head.weight" in engines.needed_tensors(tmp_path, tied=False)
+    save_file({"model.norm.weight": torch.zeros(2)}, tmp_path / "model.safetensors")  # a stale file beside the shards
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-1.safetensors", "model.norm.weight": "model-2.safetensors"}}))
+    assert sorted(engines.needed_tensors(tmp_path, tied=True)) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert engines.needed_tensors(tmp_path / "hub", tied=True) is None  # no local files: vLLM's warnings only
+
+
+def test_engine_tp_must_divide_a_node(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 2 nodes of 3 ranks: an engine of ranks 2-3 would span both
+    with pytest.raises(SystemExit):
+        engines.check_tensor_parallel(tiny_model_dir, 2, 6)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--engine-tp 2 must divide the ranks of a node (3" in err, err
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    engines.check_tensor_parallel(tiny_model_dir, 2, 8)
 
 
 class FakeShard:

@@ -1,14 +1,21 @@
-"""Tests for rollout.py on a random tiny Llama (it almost never emits EOS: good for budgets and interventions).
-One vLLM engine and one transformers engine per session; the 2-rank test runs torchrun in a subprocess."""
+"""Tests for rollout.py and the engines on a random tiny Llama (it almost never emits EOS: good for budgets and
+interventions): one vLLM engine and one transformers engine per session, a second vLLM engine on a tiny Qwen2 for the
+weight sync's contract; the 2-rank tests run torchrun in a subprocess."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import engines
+import lora
+import packing
+import ppo
 import rollout
 from conftest import run_script
-from model import load_causal_lm
+from model import decoder_layers, load_causal_lm, make_tiny, token_logprobs
+from parallel import full_state_dict
+from trainer_setup import sync_engine
 
 MAX_LEN = 512  # engine context: small so that the context cap is cheap to reach
 
@@ -205,32 +212,117 @@ def test_sync_weights_changes_and_restores(vllm_engine, hf_engine, tiny_model_di
     assert [o.logprobs for o in back] == [o.logprobs for o in base]
 
 
+def engine_gap(engine, trainer, prompts, iv):
+    """rollout/logprob_gap as train.py measures it: mean |engine log-prob - trainer log-prob| over the action tokens of
+    a sampled batch (temperature 0.8). In sync it is fp32 noise; with other weights in the engine it jumps."""
+    ro = rollout.sample(engine, prompts[:3], n=2, turn_tokens=8, max_turns=1, temperature=0.8, seed=5,
+                        intervention_ids=iv)
+    b = rollout.to_batch(ro, pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(trainer, packing.pack(b, torch.arange(len(ro)), "cpu"), temperature=0.8)
+    return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
+
+
 def test_logprob_gap_sees_a_broken_weight_sync(vllm_engine, tiny_model_dir, prompts, iv):
-    """rollout/logprob_gap (train.py): mean |engine log-prob - trainer log-prob| over action tokens. In sync it
-    is ~0; after the engine gets other weights than the trainer has, it jumps."""
-    import packing
-    import ppo
-    from model import token_logprobs
-
     trainer = load_causal_lm(tiny_model_dir).eval()
-
-    def gap():
-        ro = rollout.sample(vllm_engine, prompts[:3], n=2, turn_tokens=8, max_turns=1, temperature=0.8, seed=5,
-                            intervention_ids=iv)
-        b = rollout.to_batch(ro, pad_id=0)
-        with torch.no_grad():
-            lp = token_logprobs(trainer, packing.pack(b, torch.arange(len(ro)), "cpu"), temperature=0.8)
-        return float(ppo.masked_mean((b["rollout_logprobs"] - lp).abs(), b["action_mask"]))
-
-    in_sync = gap()
+    in_sync = engine_gap(vllm_engine, trainer, prompts, iv)
     original = {k: v.detach().clone() for k, v in trainer.named_parameters()}
     gen = torch.Generator().manual_seed(1)
     try:
         vllm_engine.sync_weights([(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in original.items()])
-        broken = gap()
+        broken = engine_gap(vllm_engine, trainer, prompts, iv)
     finally:
         vllm_engine.sync_weights(original.items())
     assert in_sync < 1e-3 and broken > 100 * max(in_sync, 1e-4), (in_sync, broken)
+
+
+# ----------------------------------------------------------------------------- the weight sync's contract
+
+def moved(path, targets):
+    """The trainer's model moved off what the engine started from: every weight perturbed (targets None: a full
+    fine-tune), or LoRA adapters on `targets` with a non-zero B."""
+    m = load_causal_lm(path).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if targets is None:
+            for p in m.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            return m
+        lora.adapt(m, decoder_layers(m), 4, 8.0, targets, torch.float32)
+        for _, layer in lora.adapted_layers(m):
+            layer.lora_B.weight.copy_(0.05 * torch.randn(layer.lora_B.weight.shape, generator=g))
+    return m
+
+
+def sleep_sync_wake(engine, trainer, path, prompts, iv):
+    """train.py's cycle: the rollout's sleep, which destroys every weight on a CPU as a GPU's level 2 drops it (no
+    sampling until a sync), the step's sync (trainer_setup.sync_engine), the next generate -> (the gap to the
+    trainer, the gap to the model the engine started from)."""
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        engine.generate(prompts[:1], 2)
+    run = SimpleNamespace(actor=trainer, engine=engine, model_path=path,
+                          lora=getattr(trainer, "lora_config", None))
+    sync_engine(run)
+    return engine_gap(engine, trainer, prompts, iv), engine_gap(engine, load_causal_lm(path).eval(), prompts, iv)
+
+
+@pytest.fixture
+def restored(vllm_engine, tiny_model_dir):
+    """The module's engine back on the tiny model's own weights after the test, whatever the test left in it."""
+    yield vllm_engine
+    vllm_engine.sync_weights(full_state_dict(load_causal_lm(tiny_model_dir)))
+
+
+SYNCS = {"full": None, "lora-all-linear": lora.TARGETS, "lora-q-v": ("q_proj", "v_proj"), "lora-gate": ("gate_proj",)}
+
+
+@pytest.mark.parametrize("targets", SYNCS.values(), ids=SYNCS)
+def test_after_sleep_and_sync_the_engine_samples_the_trainers_model(restored, tiny_model_dir, prompts, iv, targets):
+    """fp32 on both sides: after sleep, sync and wake the engine's log-probs are the trainer's to float noise and far
+    from the model it started from: a full fine-tune, and LoRA on every linear layer, on q and v alone (two thirds of
+    vLLM's fused qkv_proj) and on gate alone (half of gate_up_proj), each synced as train.py syncs it."""
+    gap, off = sleep_sync_wake(restored, moved(tiny_model_dir, targets), tiny_model_dir, prompts, iv)
+    assert gap < 1e-4 and off > 1e-2, (gap, off)
+
+
+def test_a_sync_that_misses_part_of_a_fused_layer_stops_naming_it(restored, tiny_model_dir, monkeypatch):
+    """The adapted layers alone (what LoRA's sync once sent): k_proj is missing from every qkv_proj, and vLLM would
+    rebuild its rows from uninitialised memory without a word; everything else a sleep destroyed stays destroyed."""
+    trainer = moved(tiny_model_dir, ("q_proj", "v_proj"))
+    adapted_only = [(n, t) for n, t in lora.merged_weights(trainer, torch.float32) if ".q_proj." in n or ".v_proj." in n]
+    restored.sleep()
+    with pytest.raises(engines.SyncIncomplete, match=r"without model\.embed_tokens\.weight \(not sent\), .* and "
+                                                     r"\d+ more$"):
+        restored.sync_weights(iter(adapted_only))
+    gaps = restored._sync_gaps({n: tuple(t.shape) for n, t in adapted_only}, [])
+    assert {f"model.layers.{i}.self_attn.k_proj.weight (not sent)" for i in range(2)} <= set(gaps), gaps
+    monkeypatch.setattr(restored, "needed", None)  # a hub id's engine: no file list, the engine's own evidence only
+    restored.sleep()
+    with pytest.raises(engines.SyncIncomplete) as e:
+        restored.sync_weights(iter(adapted_only))
+    assert str(e.value).startswith("the weight sync left the engine without vLLM: VocabParallelEmbedding: Failed to "
+                                   "load weights, "), str(e.value)
+    left = engines._vllm_internal(restored.llm, "discarded")  # what the NaNs say: the layers that got nothing...
+    assert {"model.norm.weight", "model.layers.0.mlp.gate_up_proj.weight (its packed GEMM)"} <= set(left), left
+    assert not [n for n in left if "qkv_proj" in n]  # ...but not a fused layer rebuilt from a part: the file list does
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases, an untied lm_head) and its vLLM engine, fp32."""
+    path = make_tiny(tmp_path_factory.mktemp("qwen2") / "model", arch="qwen2")
+    engine = engines.make_engine(path, kind="vllm", dtype="float32", seed=0, max_model_len=MAX_LEN,
+                                 enforce_eager=True, gpu_memory_utilization=0.25)
+    yield engine, path
+    engine.close()
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj")], ids=["full", "lora-q-v"])
+def test_attention_biases_and_an_untied_head_come_back_with_the_sync(qwen_engine, prompts, iv, targets):
+    engine, path = qwen_engine
+    gap, off = sleep_sync_wake(engine, moved(path, targets), path, prompts, iv)
+    assert gap < 1e-4 and off > 1e-2, (gap, off)
 
 
 def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv):
@@ -276,6 +368,20 @@ def test_distributed_shards_match_single_engine(vllm_engine, tiny_model_dir, pro
             ref = single[(t["prompt_index"], t["sample_index"])]
             assert {k: t[k] for k in ("response_ids", "action_mask", "turns", "interventions", "truncated")} == \
                    {k: ref[k] for k in ("response_ids", "action_mask", "turns", "interventions", "truncated")}
+
+
+def test_a_tensor_parallel_engine_times_out_on_all_its_ranks_at_once(vllm_engine, tiny_model_dir, prompts, tmp_path,
+                                                                    vllm_two_rank_env, torchrun):
+    """One engine over 2 ranks, rank 0's deadline half a second away, rank 1's far: they stop at the same engine
+    step (a rank that stopped alone would leave the other blocked in the engine's all-reduce), and the engine goes on
+    serving both."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(prompts=prompts, max_model_len=MAX_LEN, timeouts=[0.5, 3600])))
+    proc = torchrun("tests/_rollout_worker.py", tiny_model_dir, spec, tmp_path, env=vllm_two_rank_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["timed_out"] for r in ranks] == [True, True]
+    assert ranks[0]["after"] == ranks[1]["after"] == [c.token_ids for c in vllm_engine.generate(prompts, 3, temperature=0)]
 
 
 # ----------------------------------------------------------------------------- pure helpers
