@@ -394,7 +394,8 @@ def engine_memory_error(when, need, free, total, trainer, utilization, peak=0):
         need = ceil(utilization x total).
       when="wake": need = what the engine's sleep freed and waking maps back (weights and KV cache, measured);
         peak = the activation peak vLLM profiled at start-up and sized its KV cache around (v1/worker/gpu_worker.py,
-        peak_activation_memory): generate allocates it through PyTorch's allocator, outside the sleep pools. Both
+        peak_activation_memory): generate allocates it through PyTorch's allocator, outside the sleep pools; or,
+        when larger, what the weight sync holds while the weights wake (engines.VLLMEngine.sync_peak). Both
         against what is free once PyTorch's cache is emptied: by then the trainer also holds gradients and Adam
         state, which the start-up check never saw.
     trainer: bytes PyTorch holds in this process (for the message). --grad-checkpointing is no remedy at either
@@ -409,7 +410,7 @@ def engine_memory_error(when, need, free, total, trainer, utilization, peak=0):
     if when == "start":
         return (f"vLLM cannot start: --gpu-memory-utilization {utilization:g} x {gib(total)} = {gib(need)} must be "
                 f"free, but {held}: {lower} (a smaller KV cache), or pass --offload (the trainer's weights on the CPU)")
-    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)} and its forward passes up to "
+    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)} and its weight sync or forward passes up to "
             f"{gib(peak)} more, but {held}: pass --offload (parameters, gradients and Adam state on the CPU), or "
             f"lower --gpu-memory-utilization from {utilization:g} (a smaller KV cache)")
 

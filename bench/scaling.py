@@ -354,6 +354,47 @@ def lora_table(args, shapes):
     out += ["", f"Trained parameters at `--lora-rank {r}`: " + ", ".join(
         f"{name.split('-')[-1]} {lora_params(cfg, r) / 1e6:.1f} M ({100 * lora_params(cfg, r) / param_counts(cfg)['actor']:.2f} %)"
         for name, cfg in shapes) + "."]
+    return out + [""] + sync_table(shapes, {name: fewest[name, "grpo", r] for name, _ in shapes})
+
+
+NVLINK, PCIE, HBM = 300e9, 25e9, 2e12  # bytes/s assumed per GPU: NCCL all-gather, pinned host copies, device copies
+
+
+def sync_table(shapes, plans):
+    """Markdown: what LoRA's weight sync costs per step and GPU in each of three ways to give a sleeping engine its
+    weights back, at each model's LoRA plan (plans: name -> (GPUs, plan)). The vLLM layer the sync holds longest is the
+    largest of the embedding, the head, qkv_proj and gate_up_proj."""
+    out = ["## LoRA's weight sync per step: three ways to give the engine back what its sleep dropped", "",
+           "Each step the engine's sleep (vLLM's level 2) drops every weight, and vLLM rebuilds a fused layer it "
+           "receives in part (q/k/v, gate/up) from uninitialised memory. train.py resends the whole base with the "
+           "adapted layers merged (`resend`). The alternatives: vLLM's level-1 sleep, which copies every weight to "
+           "pinned host memory and back, the sync then sending the adapted layers whole (`level 1`); or "
+           "`sleep_preserve_parameter_names` on the frozen tensors (embeddings, head, norms with LoRA on every linear "
+           "layer), which then stay on the GPU through the update (`preserve`). Per GPU, bf16, at each model's "
+           f"`--adv grpo` LoRA plan above; times at {NVLINK / 1e9:.0f} GB/s all-gather, {PCIE / 1e9:.0f} GB/s host "
+           f"copies and {HBM / 1e12:.0f} TB/s device copies (assumed, not measured). Measured on SmolLM2-135M on a "
+           "CPU: docs/benchmarks.md.", "",
+           "| model | GPUs, `--engine-tp` | way | gathered per step | pinned host memory | held by the sync | "
+           "kept on the GPU through the update | time per step |", "|---|---|---|---|---|---|---|---|"]
+    for name, cfg in shapes:
+        gpus, plan = plans[name]
+        if not plan:
+            continue
+        p, k, h, inter = param_counts(cfg), plan["engine_tp"], cfg["hidden_size"], cfg["intermediate_size"]
+        q, kv = cfg["num_attention_heads"] * head_dim(cfg), cfg["num_key_value_heads"] * head_dim(cfg)
+        frozen = 2 * (p["embed"] + p["head"] + p["norm"] + cfg["num_hidden_layers"] * 2 * h)  # bytes: no adapter
+        whole, linear = 2 * p["actor"], 2 * p["actor"] - frozen
+        layer = 2 * max(p["embed"], p["head"], h * (q + 2 * kv), 2 * h * inter) / k  # the largest, this GPU's share
+        # FSDP2's shards gathered, then about 6 bytes of device copies per byte (the cast, an adapted layer's fp32
+        # merge, vLLM's rebuilt layer and its copy into the engine's storage)
+        gather = lambda b: b * (gpus - 1) / gpus / NVLINK + 6 * b / k / HBM  # noqa: E731
+        rows = [("resend", whole, "-", (k + 1) * layer, 0, gather(whole)),
+                ("level 1", linear, f"{gib(whole / k)} GiB held, {gib(2 * whole / k)} GiB moved", (k + 1) * layer, 0,
+                 gather(linear) + 2 * whole / k / PCIE),
+                ("preserve", linear, "-", (k + 1) * layer, frozen / k, gather(linear))]
+        for way, sent, host, held, kept, seconds in rows:
+            out.append(f"| {name} | {gpus}, {k} | {way} | {gib(sent)} GiB | {host} | {gib(held)} GiB | "
+                       f"{gib(kept)} GiB | {seconds:.2f} s |")
     return out
 
 

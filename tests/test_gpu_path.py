@@ -169,8 +169,25 @@ def test_wake_needs_room_for_the_activation_peak_vllm_profiled(monkeypatch, caps
     with pytest.raises(SystemExit):
         engine.sync_weights(iter([("model.norm.weight", torch.ones(2))]))
     err = capsys.readouterr().err
-    assert "need 4.0 GiB and its forward passes up to 3.0 GiB more" in err and "only 6.0 GiB" in err, err
+    assert "need 4.0 GiB and its weight sync or forward passes up to 3.0 GiB more" in err and "only 6.0 GiB" in err, err
     assert ("wake_up", ["weights"]) not in log
+
+
+def test_wake_of_the_weights_needs_room_for_what_the_sync_holds(monkeypatch, capsys):
+    """A sync holds each vLLM layer's full tensors until the layer is complete, and the layer rebuilt (sync_peak):
+    the weights' wake counts it when it is larger than generate's activations; the KV cache's wake, after the sync has
+    freed it, does not."""
+    engine, log, device = fake_engine(monkeypatch)
+    engine.activation_peak, engine.sync_peak = 1 * GiB, 3 * GiB
+    engine.sleep()  # 14 GiB free
+    device["free"] -= 8 * GiB  # 6 free: 4 to wake and 1 of activations fit, 4 and the sync's 3 do not
+    with pytest.raises(SystemExit):
+        engine.sync_weights(iter([("model.norm.weight", torch.ones(2))]))
+    assert "its weight sync or forward passes up to 3.0 GiB more" in capsys.readouterr().err
+    device["free"] += 1 * GiB  # 7 free: the weights wake, load, and the KV cache's wake needs 3 + 1 of the 6 left
+    engine.sync_weights(iter([("model.norm.weight", torch.ones(2))]))
+    engine.generate([[1, 2, 3]], 8)
+    assert not engine.asleep
 
 
 def test_activation_peak_is_read_from_the_worker_or_bounded_at_the_first_sleep(monkeypatch):
