@@ -30,6 +30,7 @@ import pathlib
 import pickle
 import random
 import shutil
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -48,15 +49,22 @@ from cli import die
 MANIFEST = "manifest.json"
 
 
-def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None, rng=None, export=True):
+def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None, rng=None, export=True, complete=(),
+                    resumed=None):
     """OUT/step_N (the module docstring's layout). Written to step_N.tmp, fsynced, renamed, then OUT/latest points at
     it: latest always names a complete checkpoint that survives a crash of the node. models: {"actor": (model,
     optimiser), "critic": ...}. rng: this rank's RNG states to record (rng_states(); default: now). export=False (a
-    preemption's checkpoint): no actor/ and critic/ export, only what --resume needs. keep_last: prune older
-    checkpoints of this run (trainer_state's run_id), never another run's. Every rank calls it."""
+    preemption's checkpoint): no actor/ and critic/ export, only what --resume needs. An existing step_N is written
+    over only when it is this run's (trainer_state's run_id) and damaged; otherwise one line, nothing written.
+    keep_last: prune this run's older checkpoints (prune: `complete`, the steps this process knows to be complete,
+    and `resumed`, the step it resumed from). Every rank calls it."""
     out, rank = Path(out), parallel._rank()
     final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
+    if why := parallel.broadcast_object(_occupied(final, trainer_state.get("run_id")) if rank == 0 else None):
+        die(why)
     if rank == 0:
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     parallel.barrier()
@@ -91,7 +99,7 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         write_durable(tmp / MANIFEST, json.dumps(dict(sorted(files.items())), indent=0))
         for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True) + [tmp]:
             fsync_dir(d)  # the entries of every file: a crash after the rename finds them all
-        shutil.rmtree(final, ignore_errors=True)  # a damaged one of this run, written again
+        shutil.rmtree(final, ignore_errors=True)  # a damaged one of this run (_occupied), written again
         os.replace(tmp, final)
         link = out / "latest.tmp"
         link.unlink(missing_ok=True)
@@ -99,11 +107,45 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         os.replace(link, out / "latest")
         fsync_dir(out)
         if keep_last:
-            for old in sorted(out.glob("step_[0-9]*[0-9]"))[:-keep_last]:
-                if run_of(old) == trainer_state.get("run_id"):
-                    shutil.rmtree(old, ignore_errors=True)
+            prune(out, keep_last, trainer_state.get("run_id"), {*complete, step}, {step, resumed})
     parallel.barrier()
     return final
+
+
+def _occupied(final, run_id):
+    """Why step_N cannot be written over (None: it is absent, or this run's and damaged: written again)."""
+    if not final.exists() and not final.is_symlink():
+        return None
+    if final.is_symlink() or not final.is_dir():
+        return f"--out: {final} exists and is no checkpoint directory; move it away"
+    if run_of(final) != run_id:
+        return (f"--out: {final} belongs to another run (its trainer_state.json names another run, or none): "
+                f"refusing to write over it; move it away or give another --out")
+    if damage(final) is None:
+        return (f"--out: {final} is a complete checkpoint of this run that --resume did not continue from; refusing "
+                f"to write over it (resume from it, or move it away)")
+    return None
+
+
+def step_of(ckpt):
+    return int(Path(ckpt).name[len("step_"):])
+
+
+def prune(out, keep_last, run_id, complete, protected):
+    """--keep-last: delete this run's checkpoints older than the keep_last newest known to be complete (`complete`:
+    steps this process wrote or verified; a damaged or unknown one never counts as kept, so while fewer are known
+    nothing is deleted). Never deletes a checkpoint newer than the oldest kept, one of `protected` (the one just
+    written, the one the run resumed from), the one OUT/latest names, nor another run's. -> the steps deleted."""
+    kept = sorted(complete, reverse=True)[:keep_last]
+    if len(kept) < keep_last:
+        return []
+    latest = (out / "latest").resolve() if (out / "latest").exists() else None
+    doomed = [c for c in sorted(out.glob("step_[0-9]*[0-9]"), key=step_of)
+              if step_of(c) < kept[-1] and step_of(c) not in protected and c.resolve() != latest
+              and run_of(c) == run_id]
+    for c in doomed:
+        shutil.rmtree(c, ignore_errors=True)
+    return [step_of(c) for c in doomed]
 
 
 def _trained_only(model):
@@ -264,23 +306,53 @@ def manifest(ckpt):
     return {str(p.relative_to(ckpt)): file_digest(p) for p in files}
 
 
-def damage(ckpt, rank=0, world=1):
-    """Why the checkpoint directory cannot be trusted (no manifest, a file missing, truncated, changed), or None.
-    rank, world: verify every world-th file from the rank-th only (the ranks share the reading and hashing)."""
+def damage(ckpt, rank=0, world=1, only=None):
+    """Why the checkpoint directory cannot be trusted (no manifest, a file missing, truncated, changed, not a regular
+    file, outside the checkpoint), or None. rank, world: verify every world-th file from the rank-th only (the ranks
+    share the reading and hashing). only="actor": that folder alone (eval.py), every file in it listed."""
     ckpt = Path(ckpt)
     try:
         want = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError):
         return f"no readable {MANIFEST}"
-    for rel, (size, digest) in sorted(want.items())[rank::world]:
+    if not isinstance(want, dict):
+        return f"{MANIFEST} is not a file list"
+    if only is not None:
+        want = {rel: v for rel, v in want.items() if rel.startswith(f"{only}/")}
+        on_disk = {str(p.relative_to(ckpt)) for p in (ckpt / only).rglob("*") if not p.is_dir()}
+        if extra := sorted(on_disk - want.keys()):
+            return f"{extra[0]} is not in its {MANIFEST} (added after the checkpoint was written)"
+    elif rank == 0 and "sharded/.metadata" in want:  # the files it makes torch read: ones the manifest vouches for
+        try:
+            named = {f"sharded/{info.relative_path}" for info in read_metadata(ckpt / "sharded").storage_data.values()}
+        except (OSError, UnsafeCheckpoint) as e:
+            return f"sharded/.metadata: {e}"
+        if extra := sorted(named - want.keys()):
+            return f"sharded/.metadata reads {extra[0]}, which {MANIFEST} does not list"
+    for rel, entry in sorted(want.items())[rank::world]:
+        if why := _outside(ckpt, rel):
+            return f"{MANIFEST} names {rel}: {why}"
+        size, digest = entry
         path = ckpt / rel
-        if not path.is_file():
+        try:
+            st = os.lstat(path)
+        except OSError:
             return f"{rel} is missing"
-        if path.stat().st_size != size:
-            return f"{rel} has {path.stat().st_size} bytes, {size} were written"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{rel} is not a regular file"
+        if st.st_size != size:
+            return f"{rel} has {st.st_size} bytes, {size} were written"
         if digest is not None and file_digest(path)[1] != digest:  # None: a manifest from before full hashes
             return f"{rel} changed since it was written"
     return None
+
+
+def _outside(root, rel):
+    """Why the relative path `rel` would leave directory `root` (an absolute path, '..', a link on the way), or None."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return "it leads outside the checkpoint"
+    real = (Path(root) / rel).resolve()
+    return None if Path(root).resolve() in real.parents else "it leads outside the checkpoint"
 
 
 def find_resumable(out, log=print):
@@ -293,11 +365,10 @@ def find_resumable(out, log=print):
     out, rank, world = Path(out), parallel._rank(), parallel._world()
     names = None
     if rank == 0:
-        latest = (out / "latest").resolve() if (out / "latest").exists() else None
-        candidates = sorted(out.glob("step_[0-9]*[0-9]"), reverse=True)
-        if latest is not None and latest in candidates:
-            candidates.remove(latest)
-            candidates.insert(0, latest)
+        latest = (out / "latest").resolve() if (out / "latest").exists() else None  # (absolute: compared as such,
+        candidates = sorted(out.glob("step_[0-9]*[0-9]"), key=step_of, reverse=True)  # whatever form --out has)
+        first = [c for c in candidates if c.resolve() == latest]
+        candidates = first + [c for c in candidates if c not in first]
         names = [(c.name, "manifest" if (c / MANIFEST).exists() else
                   "old" if (c / "trainer_state.json").exists() and (c / "sharded" / ".metadata").exists() else "none")
                  for c in candidates]
@@ -355,6 +426,13 @@ def read_metadata(sharded):
             raise UnsafeCheckpoint(f".metadata: {e}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f".metadata holds a {type(metadata).__name__}, not a checkpoint's Metadata")
+    for info in (metadata.storage_data or {}).values():  # each a file of this directory, and a plain one (no FIFO)
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or Path(rel).name != rel or rel in (".", ".."):
+            raise UnsafeCheckpoint(f".metadata names {rel!r}, not a file of its own directory")
+        path = Path(sharded) / rel
+        if path.exists() and not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UnsafeCheckpoint(f".metadata names {rel}, which is not a regular file")
     return metadata
 
 

@@ -1,8 +1,10 @@
-"""Command-line plumbing shared by every CLI: one-line errors, the parser, a positive-int flag type, atomic writes.
+"""Command-line plumbing shared by every CLI: one-line errors, the parser, a positive-int flag type, writes that are
+atomic and never follow a link.
 
 Imports nothing of ours, so every module may import it.
 """
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -58,12 +60,25 @@ def deprecated(old, new):
     return Renamed
 
 
+def no_link(path, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC):
+    """os.open(path, flags) for writing, refusing a symbolic link there in one line (exit 2): a link planted in an
+    output directory (someone else's checkpoint directory, a shared one) must not make us write a file outside it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            die(f"{path} is a symbolic link: refusing to write through it (remove it, or use another directory)")
+        raise
+
+
 def write_atomic(path, data):
-    """Write text or bytes to a temp file beside `path`, then rename: a reader never sees half a file."""
+    """Write text or bytes to a temp file beside `path`, then rename: a reader never sees half a file, and a link at
+    `path` is replaced, never followed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # one per process: ranks never share a temp file
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # (a link there: the link itself)
+        with os.fdopen(no_link(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     finally:

@@ -387,9 +387,10 @@ def _templated(id, data_source, question, truth, index, solution=None):
 
 def _inputs(args):
     """--input's files, else the dataset's files fetched from the Hugging Face hub (hub.py), and a name for them."""
-    paths = args.input or hub.fetch_dataset(args.cmd)
-    if not args.input:
-        print(f"{hub.DATASETS[args.cmd]['repo']}: {len(paths)} file(s) in {paths[0].parent}")
+    paths = args.input
+    if not paths:
+        paths, commit = hub.fetch_dataset(args.cmd, args.revision)
+        print(f"{hub.DATASETS[args.cmd]['repo']} at commit {commit}: {len(paths)} file(s) in {paths[0].parent}")
     return paths, str(paths[0]) if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more"
 
 
@@ -534,6 +535,8 @@ def main(argv=None):
         s = sub.add_parser(name, help=f"{repo} (the Hugging Face hub, or --input) -> train/test.parquet")
         s.add_argument("--input", nargs="+", type=Path, metavar="FILE",
                        help=f"{what}, read in turn as one dataset (default: fetch {repo} from the hub)")
+        s.add_argument("--revision", default=None, help=f"the hub's branch, tag or commit to fetch (default: "
+                                                         f"{hub.DATASETS[name]['revision']})")
         s.add_argument("--out", required=True, help="output directory")
         s.add_argument("--test-frac", type=float, default=frac, help="fraction held out as test.parquet")
         s.add_argument("--seed", type=int, default=0, help="shuffle seed for the split")

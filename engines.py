@@ -204,15 +204,15 @@ def needed_tensors(model_path, tied):
     """{HF name: shape}: what every weight sync into an engine started from `model_path` must send, since a sleep
     (level 2 on a GPU; engines.VLLMEngine.sleep on a CPU) discards every weight, and vLLM rebuilds a fused layer
     (q/k/v, gate/up) it receives in part from uninitialised memory: every tensor of the model's safetensors files
-    (the index's, when there is one), less what vLLM never loads from a checkpoint (rotary caches, computed from the
+    (parallel.weight_files: the index's, when there is one), less what vLLM never loads from a checkpoint (rotary caches, computed from the
     config; a tied lm_head, which is the embedding). None where the weights are no local safetensors files (a hub
     id): vLLM's own "not loaded" warnings, and on a CPU the discarded weights, still stop an incomplete sync."""
-    from parallel import safetensors_index
+    from parallel import safetensors_index, weight_files
 
-    path = Path(model_path)
-    index = path / "model.safetensors.index.json"
-    files = (sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file()
-             else sorted(path.glob("*.safetensors")))
+    try:
+        files = weight_files(model_path)
+    except ValueError as e:
+        die(str(e))
     if not files:
         return None
     return {name: tuple(shape) for name, (_, _, shape, _) in safetensors_index(files).items()

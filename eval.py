@@ -415,10 +415,13 @@ def weights_fingerprint(path, kind):
 
 
 def checkpoint_tensors(path):
-    """(name, tensor) pairs of a Hugging Face directory's safetensors files, one tensor at a time (sync_weights)."""
+    """(name, tensor) pairs of a Hugging Face directory's safetensors files (its index's), one tensor at a time
+    (sync_weights)."""
     from safetensors import safe_open
 
-    for f in sorted(Path(path).glob("*.safetensors")):
+    from parallel import weight_files
+
+    for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
@@ -461,7 +464,14 @@ def main(argv=None):
         from parallel import init_distributed
 
         init_distributed()
-    from parallel import RanksDisagree, broadcast_object, gather_to_first
+    from parallel import RanksDisagree, broadcast_object, gather_to_first, weight_files
+
+    import checkpoint  # a training checkpoint is evaluated as its manifest says it was written, or not at all
+    for name, why in broadcast_object({c: checkpoint.damage(Path(p).parent, only="actor") for c, p in paths.items()
+                                       if kinds[c] == "checkpoint" and (Path(p).parent / checkpoint.MANIFEST).exists()}
+                                      if rank == 0 else None).items():
+        if why:
+            die(f"checkpoint {name}: {why}")
 
     out = Path(args.out or broadcast_object(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
     master = rank == 0
@@ -485,8 +495,12 @@ def main(argv=None):
         tokenizer, prompts = prepared[name][:2]
         groups[engine_key(path, kinds[name], prompts, end_of_turn_ids(path, tokenizer))].append(name)
     for names in groups.values():
-        for name in names[1:]:
-            if not list(Path(paths[name]).glob("*.safetensors")):
+        for name in names:
+            try:
+                files = weight_files(paths[name])
+            except ValueError as e:
+                die(f"checkpoint {name}: {e}")
+            if not files and name != names[0]:
                 die(f"checkpoint {name}: no *.safetensors files in {paths[name]} to load into the running engine")
     for path in paths.values():
         engines.check_tensor_parallel(path, args.engine_tp, world)

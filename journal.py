@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from cli import die, write_atomic
+from cli import die, no_link, write_atomic
 from engines import Completion
 
 
@@ -49,6 +49,8 @@ class Journal:
             return
         self.dir = Path(directory)
         self.stem = slot(name)
+        if self.dir.is_symlink():
+            die(f"{self.dir} is a symbolic link: refusing to write the journal through it (remove it)")
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / f"{self.stem}.settings.json"
         text = json.dumps(settings, indent=1, sort_keys=True) + "\n"
@@ -62,7 +64,7 @@ class Journal:
         self._cut_torn_tail()
         for f in sorted(self.dir.glob(f"{self.stem}.rank*.jsonl")):
             self._index(f)
-        self.file = open(self.path, "ab")
+        self.file = os.fdopen(no_link(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
 
     def _index(self, path):
         """key -> (file, offset) of each whole line: a line starts with its key ({"key": "<40 hex digits>", ...)."""
@@ -96,7 +98,7 @@ class Journal:
         data = self.path.read_bytes()
         keep = data.rfind(b"\n") + 1
         if keep < len(data):
-            with open(self.path, "r+b") as f:
+            with os.fdopen(no_link(self.path, os.O_RDWR), "r+b") as f:
                 f.truncate(keep)
 
     def record(self, key, completion):

@@ -1,14 +1,17 @@
 """train.py's bookkeeping: phase timers, one step's metrics, the console line, OUT/metrics.jsonl (and wandb /
 tensorboard), the before/after validation summary and OUT/curves.png."""
+import io
 import json
 import math
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from cli import die, no_link, write_atomic
 from packing import padding_counts
 from parallel import all_reduce_dict
 from perf import forward_flops, training_flops
@@ -102,11 +105,46 @@ def make_logger(args, out):
 
     def log(metrics):
         metrics = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        with open(out / "metrics.jsonl", "a") as f:  # strict JSON: NaN (e.g. explained_var of constant returns) -> null
-            f.write(json.dumps(metrics) + "\n")
+        with os.fdopen(no_link(out / METRICS, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as f:
+            f.write(json.dumps(metrics) + "\n")  # strict JSON: NaN (explained_var of constant returns) -> null
         for sink in sinks:
             sink(metrics)
     return log
+
+
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(out, say=print):
+    """OUT/metrics.jsonl's rows ([] without one). A last line that a crash left torn (half written, or zeroed by the
+    filesystem) is dropped with a line saying so: that step is logged again when the resumed run redoes it. A bad
+    line before the last is damage, not a crash: one line naming it, exit 2."""
+    path = Path(out) / METRICS
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # (after the newline that ends the last line)
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                die(f"{path}: line {i + 1} is not JSON, and it is not the last (a crash tears only the last line)")
+            say(f"[metrics] {path}: its last line ({len(line)} bytes) is torn (a crash while it was written): dropped")
+    return rows
+
+
+def sync_metrics(out):
+    """fsync OUT/metrics.jsonl (with each checkpoint: the steps it holds survive a crash of the node)."""
+    path = Path(out) / METRICS
+    if path.exists():
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def format_line(m, total_steps):
@@ -142,7 +180,7 @@ def report(val_history, out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    logged = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+    logged = read_metrics(out)
     rows = [r for r in logged if "decoded_tokens/mean" in r]
     val_rows = [r for r in logged if r.get("val/decoded_tokens") is not None]
     if not rows:
@@ -158,5 +196,6 @@ def report(val_history, out):
             ax.legend()
         ax.set_title(key), ax.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out / "curves.png.tmp.png")
-    os.replace(out / "curves.png.tmp.png", out / "curves.png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(out / "curves.png", png.getvalue())

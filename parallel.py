@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import lora
-from cli import die
+from cli import die, no_link
 from model import VALUE_HEAD_FILE, ValueModel, decoder_layers
 
 
@@ -239,7 +239,10 @@ def load_sharded(build, path, device, init_missing=None, **shard_kwargs):
     init_missing(name, full shape) -> the full starting value of a tensor the files do not hold (LoRA adapters:
     lora.initial_value), or None. A path without local safetensors files (a hub id, .bin weights) is loaded whole
     and then sharded (build initialises what the files lack)."""
-    files = sorted(Path(path).glob("*.safetensors"))
+    try:
+        files = weight_files(path)
+    except ValueError as e:
+        die(str(e))
     if not files:
         return shard(build(meta=False).to(device), **shard_kwargs)
     model = shard(build(meta=True), **shard_kwargs)
@@ -269,6 +272,32 @@ def _rebuild_buffers(model):
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path):
+    """The safetensors files of a model directory, as its index lists them (model.safetensors.index.json), else its
+    one *.safetensors file (and a critic's value_head.safetensors beside either). [] where there is none (a hub id,
+    .bin weights). ValueError, naming the file, for a shard the index lists that is missing and for a *.safetensors
+    file that it does not list (a stale one of an earlier save, which would otherwise be read as the model's)."""
+    path = Path(path)
+    present = {p.name for p in path.glob("*.safetensors")} - {VALUE_HEAD_FILE}
+    head = [path / VALUE_HEAD_FILE] if (path / VALUE_HEAD_FILE).is_file() else []
+    if not (path / INDEX).is_file():
+        if len(present) > 1:
+            raise ValueError(f"{path}: {len(present)} *.safetensors files ({', '.join(sorted(present))}) and no {INDEX} "
+                             f"to say which hold the model: remove the stale ones")
+        return [path / n for n in sorted(present)] + head
+    listed = set(json.loads((path / INDEX).read_text()).get("weight_map", {}).values())
+    if odd := sorted(n for n in listed if not isinstance(n, str) or Path(n).name != n):
+        raise ValueError(f"{path / INDEX} names {odd[0]!r}, not a file of its own directory")
+    if missing := sorted(listed - present):
+        raise ValueError(f"{path}: {INDEX} lists {missing[0]}, which is missing")
+    if stray := sorted(present - listed):
+        raise ValueError(f"{path}: {stray[0]} is not in its {INDEX} (a shard of an earlier save?): remove it")
+    return [path / n for n in sorted(listed)] + head
 
 
 def safetensors_index(files):
@@ -364,7 +393,8 @@ def check_shared_out(out, rank, world, device):
     token = all_reduce_sum([float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0], device)[0]
     path = out / f".shared-check-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     if rank == 0:
-        path.write_text(str(int(token)))
+        with os.fdopen(no_link(path), "w") as f:
+            f.write(str(int(token)))
     barrier()
     try:
         seen = path.read_text() == str(int(token))

@@ -41,7 +41,7 @@ import rollout
 from checkpoint import rng_states, save_checkpoint
 from cli import ArgumentParser, deprecated, die, positive_int
 from model import token_logprobs
-from logs import format_line, format_tokens, make_logger, report, step_metrics, timed
+from logs import format_line, format_tokens, make_logger, report, step_metrics, sync_metrics, timed
 from packing import forward_pass, micro_batches, pack
 from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, reshard
 from system import quiet_logs
@@ -117,12 +117,17 @@ def parse_args(argv=None):
                                                         "since the last checkpoint")
     a("--shutdown-grace", type=float, default=20, help="seconds a SIGTERM leaves for its checkpoint before this "
                                                         "process exits anyway (torchrun and SLURM kill after 30)")
-    a("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    a("--keep-last", type=int, default=None, help="keep only the newest K complete checkpoints of this run (never "
+                                                  "the one it resumed from, nor a newer one)")
     a("--val-freq", type=int, default=0, help="validate every N steps (0 = never)")
     a("--test-freq", dest="val_freq", type=int, help=argparse.SUPPRESS, action=deprecated("--test-freq", "--val-freq"))
     a("--val-before-train", action=argparse.BooleanOptionalAction, default=False,
       help="validate before the first step")
-    a("--resume", action="store_true", help="continue from OUT/latest")
+    a("--resume", action="store_true", help="continue from OUT/latest (or the newest complete checkpoint); refused "
+                                            "when a flag that defines the run's maths differs from the checkpoint's")
+    a("--allow-changed", type=lambda text: [f.strip().lstrip("-").replace("-", "_") for f in text.split(",")
+                                            if f.strip()], default=[], metavar="FLAG,...",
+      help="with --resume: continue the run with these flags changed on purpose (e.g. actor-lr,data)")
     a("--overwrite", action="store_true", help="start afresh in an --out that holds an earlier run, replacing its "
                                                "checkpoints and metrics (without it such an --out is refused)")
     a("--grad-checkpointing", action="store_true", help="activation checkpointing")
@@ -303,11 +308,15 @@ def save(run, args, step, guard, rng=None, pending=None, export=True):
     needs (no HF export: at 7B that is a full gather and ~14 GB from rank 0 inside the grace); the next regular
     checkpoint exports again."""
     t0 = time.time()
+    if run.master:
+        sync_metrics(run.out)  # the steps it logged survive with the checkpoint
     with guard.writing_checkpoint():
         guard.run("checkpoint", lambda: save_checkpoint(run.out, step, models_and_optimisers(run), run.tokenizer,
                                                          trainer_state(args, run, step, pending, export),
-                                                         args.keep_last, rng, export=export), decides=False)
+                                                         args.keep_last, rng, export=export, complete=run.complete,
+                                                         resumed=run.resumed_from), decides=False)
     run.on_disk, run.exported = step, export
+    run.complete.add(step)
     if run.master:
         print(f"[ckpt] step {step} -> {run.out}/step_{step:06d} ({time.time() - t0:.1f}s"
               + ("" if export else "; for --resume only: no actor/ export") + ")", flush=True)

@@ -24,6 +24,7 @@ from cli import die, write_atomic
 from model import (check_attn_implementation, compile_model, compiler_missing, decoder_layers, end_of_turn_ids,
                    load_causal_lm, load_critic, load_tokenizer, refuse_unsupported, resolve_model)
 from checkpoint import base_digests, find_resumable, load_checkpoint
+from logs import read_metrics
 from parallel import barrier, check_shared_out, full_state_dict, init_distributed, load_sharded
 from perf import model_shape, peak_tflops
 from system import choose_dtype, keep_freed_memory, trainer_threads
@@ -62,6 +63,7 @@ def setup(args):
     check_shared_out(run.out, rank, world, device)
     claim_out(args, run)
     run.run_id, run.on_disk, run.exported = uuid.uuid4().hex, None, True  # (resume: the checkpoint's run)
+    run.complete, run.resumed_from = set(), None  # checkpoints this process wrote or verified (--keep-last)
     args.dtype, dtype_why = choose_dtype(args.dtype, device)
     args.engine_dtype, engine_dtype_why = choose_dtype(args.engine_dtype, device, engine=args.engine)
     if run.master:
@@ -240,17 +242,23 @@ def resume(args, run):
         if run.master:
             metrics_file.unlink(missing_ok=True)
         return None
-    if why := lora_mismatch(json.loads((ckpt / "trainer_state.json").read_text()).get("lora"), run.lora):
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    if why := lora_mismatch(saved.get("lora"), run.lora):
         die(f"--resume: {ckpt} {why}")
+    same_run(ckpt, saved, args, run.world, say)
+    if saved["step"] >= run.total_steps and saved.get("export", True) and not saved.get("pending"):
+        say(f"[resume] {ckpt} is step {saved['step']}, and --steps asks for {run.total_steps}: nothing to train",
+            flush=True)
     state = load_checkpoint(ckpt, models_and_optimisers(run))
     for sched, sd in zip(run.schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
     run.kl_ctl.load_state_dict(state["kl_ctl"])
     step = state["step"]
     run.on_disk, run.exported = step, state.get("export", True)
+    run.complete, run.resumed_from = {step}, step  # (verified: --keep-last may count it as kept)
     run.run_id = state.get("run_id") or run.run_id  # a checkpoint older than run ids: this run's own from now on
-    if run.master and metrics_file.exists():  # forget steps logged after this checkpoint
-        write_atomic(metrics_file, "".join(line for line in open(metrics_file) if json.loads(line)["step"] <= step))
+    if run.master and metrics_file.exists():  # forget steps logged after this checkpoint (and a torn last line)
+        write_atomic(metrics_file, "".join(json.dumps(r) + "\n" for r in read_metrics(run.out, say) if r["step"] <= step))
     try:
         sync_engine(run)
     except engines.SyncIncomplete as e:
@@ -258,6 +266,47 @@ def resume(args, run):
     say(f"[resume] {ckpt} at step {step}" + (" (its validation was cut short: running it first)"
                                                if state.get("pending") else ""), flush=True)
     return state
+
+
+# Flags that change how a run runs, not what it computes: a resume may change them (each change is printed). Any
+# other flag defines the run's maths (model, data, estimator, batch shape, seeds, learning rates, LoRA, the turn rule,
+# the reward...): a resume compares it with the checkpoint's and refuses a change unless --allow-changed names it.
+RUN_ONLY = {"steps", "epochs", "out", "resume", "overwrite", "allow_changed", "save_freq", "save_minutes", "keep_last",
+            "shutdown_grace", "dist_timeout", "rollout_timeout", "max_bad_steps", "val_data", "val_limit", "val_freq",
+            "val_before_train", "wandb", "tensorboard", "verbose", "grad_checkpointing", "compile", "offload",
+            "cpu_threads", "peak_tflops", "dtype", "micro_batch_size", "micro_batch_tokens", "engine", "engine_dtype",
+            "engine_tp", "gpu_memory_utilization", "enforce_eager", "attn_implementation"}
+PATHS = {"model", "critic_model", "data"}  # compared as the files they name (a relative path, an absolute one)
+
+
+def same_run(ckpt, saved, args, world, say):
+    """Refuse in one line to continue the checkpoint's run with other maths (RUN_ONLY: the flags that may change),
+    naming each flag, its old and new value and --allow-changed; print each change that is allowed, once."""
+    old = saved.get("args")
+    if old is None:
+        say(f"[resume] {ckpt} records no flags (written before checkpoints did): not compared", flush=True)
+        return
+    now = vars(args)
+
+    def shown(key, value):
+        if key in PATHS and isinstance(value, str) and Path(value).exists():
+            return str(Path(value).resolve())
+        return ",".join(value) if isinstance(value, (list, tuple)) else value
+
+    flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
+    changed = [k for k in sorted(old.keys() | now.keys()) if shown(k, old.get(k)) != shown(k, now.get(k))]
+    allowed = set(args.allow_changed)
+    if refused := [k for k in changed if k not in RUN_ONLY and k not in allowed]:
+        die(f"--resume: {ckpt} belongs to a run with other " + "; ".join(
+            f"{flag(k)} {shown(k, old.get(k))} (now {shown(k, now.get(k))})" for k in refused)
+            + f": give another --out for a new run, or continue this one with them on purpose: --allow-changed "
+              f"{','.join(k.replace('_', '-') for k in refused)}")
+    for k in changed:
+        if k not in ("out", "resume", "overwrite", "allow_changed"):
+            say(f"[resume] {flag(k)} {shown(k, old.get(k))} -> {shown(k, now.get(k))}"
+                + ("" if k in RUN_ONLY else " (--allow-changed)"), flush=True)
+    if saved.get("world_size") not in (None, world):
+        say(f"[resume] {saved['world_size']} ranks -> {world}", flush=True)
 
 
 def lora_mismatch(saved, now):
@@ -284,8 +333,7 @@ def lora_mismatch(saved, now):
 
 def logged_validations(run):
     """[(step, metrics)] of the validations metrics.jsonl holds (rank 0): the resumed run's before/after report."""
-    path = run.out / "metrics.jsonl"
-    rows = [json.loads(line) for line in open(path)] if run.master and path.exists() else []
+    rows = read_metrics(run.out) if run.master else []
     return [(r["step"], r) for r in rows if r.get("val/acc") is not None]
 
 

@@ -115,7 +115,8 @@ def test_damaged_latest_falls_back_to_the_newest_complete_checkpoint(uninterrupt
 
 def test_nothing_of_another_run_is_deleted(uninterrupted, tiny_model_dir, tmp_path):
     """A fresh run refuses an --out that holds another run (before anything is written); --keep-last prunes the
-    resumed run's own checkpoints only; a checkpoint from before manifests resumes, with a line saying so."""
+    resumed run's own checkpoints only, never the one it resumed from; a checkpoint from before manifests resumes,
+    with a line saying so."""
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out, symlinks=True)
     before = {p: p.stat().st_mtime for p in out.rglob("*") if p.is_file()}
@@ -138,11 +139,15 @@ def test_nothing_of_another_run_is_deleted(uninterrupted, tiny_model_dir, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"[resume] {out / 'step_000002'} has no manifest.json (written before checkpoints had one): loading it " \
            "unverified" in proc.stdout
-    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000003"]  # the other run's stays
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
     same_run(out, uninterrupted)
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--resume", "--keep-last", "1", steps=4), env=CPU_ENV,
+                      timeout=600)  # the next attempt: step 2 is no longer the one it resumed from
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000003", "step_000004"]
     proc = run_script("train.py", *args(tiny_model_dir, out, "--overwrite", steps=1), env=CPU_ENV, timeout=600)
     assert proc.returncode == 0 and f"[setup] --overwrite: replacing the earlier run in {out} (step_000001, " \
-           "step_000003)" in proc.stdout, proc.stderr[-3000:]
+           "step_000003, step_000004)" in proc.stdout, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("step_*")) == ["step_000001"] and len(metrics(out)) == 1
 
 

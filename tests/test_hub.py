@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import data
+import hub as hub_module
 from conftest import run_script
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the one commit of every fake repository
@@ -60,16 +61,18 @@ class FakeHub:
         repo = (api or resolve) and self.repos.get((api or resolve).group(1))
         if self.broken or repo is None:
             return self.send(req, 404, b"", body, {} if self.broken else {"X-Error-Code": "RepoNotFound"})
+        sha = (api or resolve).group(3 if api else 2)  # a commit asked for by its id is that commit
+        sha = sha if re.fullmatch(r"[0-9a-f]{40}", sha) else COMMIT
         if api and api.group(2) == "revision":
-            info = {"id": api.group(1), "sha": COMMIT, "siblings": [{"rfilename": p} for p in repo]}
+            info = {"id": api.group(1), "sha": sha, "siblings": [{"rfilename": p} for p in repo]}
             return self.send(req, 200, json.dumps(info).encode(), body, {"Content-Type": "application/json"})
         if api:
             tree = [{"type": "file", "path": p, "size": len(b), "oid": oid(b)} for p, b in repo.items()]
             return self.send(req, 200, json.dumps(tree).encode(), body, {"Content-Type": "application/json"})
         blob = repo.get(resolve.group(3))
         if blob is None:
-            return self.send(req, 404, b"", body, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
-        self.send(req, 200, blob, body, {"X-Repo-Commit": COMMIT, "ETag": f'"{oid(blob)}"'})
+            return self.send(req, 404, b"", body, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": sha})
+        self.send(req, 200, blob, body, {"X-Repo-Commit": sha, "ETag": f'"{oid(blob)}"'})
 
     @staticmethod
     def send(req, status, payload, body, headers):
@@ -190,6 +193,14 @@ def test_limo_from_hub_then_from_cache(tmp_path, fake_hub):
     assert splits(tmp_path / "c") == got
 
 
+def test_revision_picks_the_commit_fetched(tmp_path, fake_hub):
+    hub = fake_hub()
+    other = "89abcdef" * 5
+    r = run_data(hub_env(tmp_path / "hf", hub.url), "limo", "--revision", other, "--out", tmp_path / "a")
+    assert r.returncode == 0, r.stderr
+    assert hub.log and all(other in p for _, p in hub.log) and f"at commit {other}" in r.stdout
+
+
 def test_r1_220k_shards_from_hub_then_offline(tmp_path, fake_hub):
     hub = fake_hub()
     env = hub_env(tmp_path / "hf", hub.url)
@@ -210,7 +221,9 @@ def test_r1_220k_shards_from_hub_then_offline(tmp_path, fake_hub):
     assert splits(tmp_path / "b") == got and len(hub.downloads()) == len(shards)
 
     # A shard gone from the cache: offline, the rest is not passed off as the dataset.
-    snapshot = tmp_path / "hf" / "hub" / "datasets--open-r1--OpenR1-Math-220k" / "snapshots" / COMMIT
+    pinned = hub_module.DATASETS["r1_220k"]["revision"]  # the commit asked for, not the branch's head
+    assert any(f"/{pinned}" in p for _, p in hub.log) and f"at commit {pinned}" in r.stdout
+    snapshot = tmp_path / "hf" / "hub" / "datasets--open-r1--OpenR1-Math-220k" / "snapshots" / pinned
     (snapshot / shards[1]).unlink()
     r = run_data(offline, "r1_220k", "--out", tmp_path / "c")
     line = one_error_line(r)
@@ -225,7 +238,7 @@ def test_no_hub_and_empty_cache_is_one_line(tmp_path, cmd, repo, file):
     r = run_data(hub_env(tmp_path / "hf", f"http://127.0.0.1:{unused_port()}"), cmd, "--out", tmp_path / "out")
     line = one_error_line(r)
     assert line.startswith(f"error: data.py {cmd}: cannot fetch {repo} from the Hugging Face hub (")
-    assert f"/datasets/{repo}/tree/main and pass --input {file}" in line
+    assert f"/datasets/{repo}/tree/{hub_module.DATASETS[cmd]['revision']} and pass --input {file}" in line
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
 
