@@ -60,7 +60,8 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
     and `resumed`, the step it resumed from). Every rank calls it."""
     out, rank = Path(out), parallel._rank()
     final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
-    if why := parallel.broadcast_object(_occupied(final, trainer_state.get("run_id")) if rank == 0 else None):
+    if why := parallel.broadcast_object(_occupied(final, trainer_state.get("run_id"), step == resumed)
+                                        if rank == 0 else None):
         die(why)
     if rank == 0:
         if tmp.is_symlink():
@@ -99,21 +100,26 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         write_durable(tmp / MANIFEST, json.dumps(dict(sorted(files.items())), indent=0))
         for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True) + [tmp]:
             fsync_dir(d)  # the entries of every file: a crash after the rename finds them all
-        shutil.rmtree(final, ignore_errors=True)  # a damaged one of this run (_occupied), written again
+        old = final.with_name(f"{final.name}.old")  # an earlier step_N (_occupied): kept until the new one is in
+        shutil.rmtree(old, ignore_errors=True)
+        if final.is_dir():
+            os.replace(final, old)
         os.replace(tmp, final)
         link = out / "latest.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, out / "latest")
         fsync_dir(out)
+        shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             prune(out, keep_last, trainer_state.get("run_id"), {*complete, step}, {step, resumed})
     parallel.barrier()
     return final
 
 
-def _occupied(final, run_id):
-    """Why step_N cannot be written over (None: it is absent, or this run's and damaged: written again)."""
+def _occupied(final, run_id, resumed):
+    """Why step_N cannot be written over (None: it is absent, or this run's and damaged, or the one it resumed from,
+    written again whole: a SIGTERM's checkpoint with its export)."""
     if not final.exists() and not final.is_symlink():
         return None
     if final.is_symlink() or not final.is_dir():
@@ -121,7 +127,7 @@ def _occupied(final, run_id):
     if run_of(final) != run_id:
         return (f"--out: {final} belongs to another run (its trainer_state.json names another run, or none): "
                 f"refusing to write over it; move it away or give another --out")
-    if damage(final) is None:
+    if not resumed and damage(final) is None:
         return (f"--out: {final} is a complete checkpoint of this run that --resume did not continue from; refusing "
                 f"to write over it (resume from it, or move it away)")
     return None

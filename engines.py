@@ -179,7 +179,9 @@ def tp_sizes(heads, kv_heads, ranks=None):
 
 
 def check_tensor_parallel(model_path, tp, world):
-    """One line when --engine-tp cannot split this model or these ranks (tp_sizes), before any engine starts."""
+    """One line when --engine-tp cannot split this model, these ranks or a node's ranks (torchrun's
+    LOCAL_WORLD_SIZE) (tp_sizes), before any engine starts (vLLM's CPU platform sets LOCAL_WORLD_SIZE to its own
+    tensor-parallel size)."""
     if tp == 1:
         return
     from transformers import AutoConfig

@@ -296,6 +296,8 @@ def same_run(ckpt, saved, args, world, say):
     flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
     changed = [k for k in sorted(old.keys() | now.keys()) if shown(k, old.get(k)) != shown(k, now.get(k))]
     allowed = set(args.allow_changed)
+    if unknown := sorted(allowed - now.keys()):
+        die(f"--allow-changed {','.join(unknown)}: not a flag of train.py")
     if refused := [k for k in changed if k not in RUN_ONLY and k not in allowed]:
         die(f"--resume: {ckpt} belongs to a run with other " + "; ".join(
             f"{flag(k)} {shown(k, old.get(k))} (now {shown(k, now.get(k))})" for k in refused)

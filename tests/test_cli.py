@@ -100,10 +100,12 @@ def test_the_readmes_evaluation_example_is_what_make_demo_runs_last():
     assert "$(PY) eval.py $(DEMO_EVAL_ARGS) --overwrite" in make.split("\ndemo:")[1].split("\n\n")[0]
 
 
-def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_dir, capsys):
+def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_dir, capsys, monkeypatch):
     """One line naming what K must divide, with the K that would work; nothing else."""
     import engines
 
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one node (an in-process vLLM engine of an earlier test
+    # sets it to its own tensor-parallel size)
     cases = [(smollm2_dir, 2, 2, "has 9 attention heads and 3 KV heads; K must divide both (1, 3)"),
              (tiny_model_dir, 4, 4, "has 4 attention heads and 2 KV heads; K must divide both (1, 2)"),
              (tiny_model_dir, 2, 3, "--engine-tp 2 must divide the number of ranks (3)")]

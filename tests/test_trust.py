@@ -37,14 +37,14 @@ def trained(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def crafted_copy(trained, tmp_path, rewrite):
+def crafted_copy(trained, tmp_path, rewrite, verifies=True):
     """A copy of the run with rewrite(step_000001) applied and its manifest written again, as an attacker would."""
     out = tmp_path / "run"
     shutil.copytree(trained, out, symlinks=True)
     ckpt = out / "step_000001"
     rewrite(ckpt)
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(checkpoint.manifest(ckpt)))
-    assert checkpoint.damage(ckpt) is None
+    assert (checkpoint.damage(ckpt) is None) == verifies
     return out
 
 
@@ -70,9 +70,15 @@ def test_a_dotted_name_in_the_metadata_is_refused_unrun(trained, tiny_model_dir,
     marker = tmp_path / "ran"
     with pytest.raises(checkpoint.UnsafeCheckpoint):  # what the old allow-list let through (any name in that module)
         checkpoint._MetadataUnpickler(open(_write(tmp_path / "m", dotted(marker)), "rb")).load()
-    out = crafted_copy(trained, tmp_path, lambda c: (c / "sharded" / ".metadata").write_bytes(dotted(marker)))
-    resume_refused(out, tiny_model_dir, marker, "torch.distributed.checkpoint.metadata.os.system is not part of")
-    assert not marker.exists() and pickle.loads(dotted(marker)) == 0 and marker.exists()  # the payload is real
+    out = crafted_copy(trained, tmp_path, lambda c: (c / "sharded" / ".metadata").write_bytes(dotted(marker)),
+                       verifies=False)  # the verification reads the metadata (the files it names) with the same guard
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--adv", "grpo", "--resume", steps=2), env=CPU_ENV,
+                      timeout=600)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err[-1].startswith("error: --resume: no complete checkpoint"), err[-3:]
+    assert "sharded/.metadata: torch.distributed.checkpoint.metadata.os.system is not part of" in proc.stdout
+    assert not marker.exists() and "Traceback" not in proc.stderr
+    assert pickle.loads(dotted(marker)) == 0 and marker.exists()  # the payload is real
 
 
 def _write(path, data):
