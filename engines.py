@@ -6,8 +6,6 @@ import contextlib
 import gc
 import glob
 import hashlib
-import json
-import logging
 import math
 import os
 import re
@@ -21,6 +19,7 @@ import torch
 from cli import die
 from model import engine_memory_error, load_causal_lm, load_tokenizer
 from system import choose_dtype, default_device
+from vllm_internal import vllm_internal
 
 
 # token_ids/logprobs: lists for one completion; stopped: ended on EOS or a stop string (else: length cap)
@@ -60,100 +59,6 @@ def _check_deadline(deadline, timeout, done, total, group=None):
 
 
 # ----------------------------------------------------------------------------- vLLM engine
-
-def _vllm_internal(llm, op, named_tensors=(), repack_tied_head=False):
-    """The one place that relies on vLLM below its public `LLM` API (checked against vLLM 0.32; these paths
-    move between versions). The engine is in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, also forced by
-    external_launcher), so LLM.collective_rpc / LLM.apply_model call into the one worker directly, arguments
-    as they are (a generator of tensors, a closure), nothing serialised.
-      op="reload": load full (name, tensor) pairs in HF names, in place, through the worker's reload_weights
-        (model.load_weights fails after start-up on the CPU backend: weights are repacked at load) -> vLLM's own
-        warnings that a layer or parameter received nothing (layerwise.py "<Layer>: Failed to load weights",
-        inplace.py "Following weights were not loaded ..."), taken off the console: the caller judges them.
-      op="discard": what a GPU's sleep(level=2) leaves of the weights, on the CPU backend, which has no sleep mode:
-        every parameter filled with NaN, and every packed CPU GEMM (a layer's `cpu_linear`, which holds its own
-        copy of the weight) answering NaN, until a reload of that layer replaces it; buffers stay (the GPU worker
-        saves and restores them).
-      op="discarded": the parameters and layers a discard left that no reload has replaced since (names).
-      op="largest_layer": bytes of the largest layer's own parameters (its share on this rank).
-      op="shutdown": stop the engine core (LLM has no close()).
-      op="activation_peak": the GPU worker's profiled activation peak (peak_activation_memory, set by
-        determine_available_memory), which its KV cache was sized to leave room for."""
-    if op == "shutdown":
-        llm.llm_engine.engine_core.shutdown()
-        return
-    if op == "activation_peak":  # bytes, or None where the worker has no such measure (CPU, other versions)
-        peaks = llm.collective_rpc(lambda worker: getattr(worker, "peak_activation_memory", None))
-        return peaks[0] if peaks else None
-    if op in ("discard", "discarded", "largest_layer"):
-        return llm.apply_model({"discard": _discard, "discarded": _discarded,
-                                "largest_layer": _largest_layer}[op])[0]
-    assert op == "reload", op
-    heard = _Unloaded()
-    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
-    for log in loggers:
-        log.addFilter(heard)
-    try:
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-    finally:
-        for log in loggers:
-            log.removeFilter(heard)
-    if repack_tied_head:
-        def repack(model):
-            # vLLM 0.32 CPU: a tied lm_head loads no tensor of its own, so its packed GEMM kept the old
-            # embedding matrix while the embedding itself was updated; repack it from the current weight.
-            lm_head = getattr(model, "lm_head", None)
-            if hasattr(lm_head, "cpu_linear"):
-                lm_head.quant_method.process_weights_after_loading(lm_head)
-        llm.apply_model(repack)
-    return heard.messages
-
-
-class _Unloaded(logging.Filter):
-    """Collects vLLM's warnings that a reload left something unloaded, and keeps them off the console."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def filter(self, record):
-        message = record.getMessage()
-        if "Failed to load weights" in message or "were not loaded" in message:
-            self.messages.append(message)
-            return False
-        return True
-
-
-class _NaNLinear:
-    """A discarded layer's GEMM: the layer's own output shape, every value NaN (uninitialised memory at worst)."""
-
-    def __init__(self, packed):
-        self.packed = packed
-
-    def __call__(self, x, weight, bias=None):
-        return self.packed(x, weight, bias).fill_(float("nan"))
-
-
-def _discard(model):
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if p.numel() and p.is_floating_point():
-                p.data.fill_(float("nan"))
-        if callable(getattr(module, "cpu_linear", None)) and not isinstance(module.cpu_linear, _NaNLinear):
-            module.cpu_linear = _NaNLinear(module.cpu_linear)
-
-
-def _discarded(model):
-    layers = [f"{n}.weight (its packed GEMM)" for n, m in model.named_modules()
-              if isinstance(getattr(m, "cpu_linear", None), _NaNLinear)]
-    return layers + [n for n, p in model.named_parameters()
-                     if p.numel() and p.is_floating_point() and bool(torch.isnan(p).any())]
-
-
-def _largest_layer(model):
-    return max((sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()),
-               default=0)
-
 
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
@@ -317,7 +222,7 @@ class VLLMEngine:
         self.asleep_bytes = 0  # what sleeping freed and waking maps back (measured), for the memory guard
         # generate's activations come from PyTorch's allocator, outside what sleep frees: the guard counts them too.
         # Without vLLM's profiled figure, the start-up reservation minus what the first sleep freed bounds them.
-        self.activation_peak = None if self.on_cpu else _vllm_internal(self.llm, "activation_peak")
+        self.activation_peak = None if self.on_cpu else vllm_internal(self.llm, "activation_peak")
         self.reserved = 0 if self.on_cpu else math.ceil(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
         self.calls = 0  # request ids: f'{call}-{i}'
         self.tp = tp
@@ -326,7 +231,7 @@ class VLLMEngine:
         # A sync holds each layer's full tensors (as sent) until the layer is complete, plus the layer rebuilt on
         # this rank (vLLM's layerwise reload): tp + 1 times the largest layer's share here, at most, before
         # generate's activations (the KV cache is still asleep then).
-        self.sync_peak = 0 if self.on_cpu else _vllm_internal(self.llm, "largest_layer") * (tp + 1)
+        self.sync_peak = 0 if self.on_cpu else vllm_internal(self.llm, "largest_layer") * (tp + 1)
 
     def generate(self, prompt_token_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
                  eos_ids=None, timeout=None, logprobs=True, on_finish=None, max_in_flight=None, poll=None):
@@ -421,12 +326,12 @@ class VLLMEngine:
         keep_weights=True (after validation: the same weights sample the next rollout): free the KV cache only,
         weights stay on the GPU (vLLM's public level-0 pause + release_kv_cache_memory; level 1 would copy the
         weights to host RAM and back). On a CPU, where vLLM has no sleep mode, the weights a GPU would drop are
-        destroyed instead (_vllm_internal "discard"): a sync that misses one fails there as it would on a GPU."""
+        destroyed instead (vllm_internal "discard"): a sync that misses one fails there as it would on a GPU."""
         if "weights" in self.asleep or (keep_weights and self.asleep):
             return  # nothing more to free
         if self.on_cpu:
             if not keep_weights:
-                _vllm_internal(self.llm, "discard")
+                vllm_internal(self.llm, "discard")
             self.asleep = {"kv_cache"} if keep_weights else {"weights", "kv_cache"}
             return
         self._empty_cache()  # the trainer's cached blocks: not the engine's, keep them out of the measure
@@ -491,7 +396,7 @@ class VLLMEngine:
         """Shut the engine down and free its memory (idempotent). Under torchrun this also destroys the default
         process group (vLLM's teardown does), so call it after the trainer's last collective."""
         if self.llm is not None:
-            _vllm_internal(self.llm, "shutdown")
+            vllm_internal(self.llm, "shutdown")
             self.llm = None
             gc.collect()
             self._empty_cache()
@@ -514,10 +419,10 @@ class VLLMEngine:
 
         if "weights" in self.asleep:  # (sleeping cleared the prefix cache; waking the KV cache resets it again)
             self._wake("weights")
-            heard = _vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
+            heard = vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
             self._empty_cache()
         else:
-            heard = _vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
+            heard = vllm_internal(self.llm, "reload", cast(named_tensors), repack_tied_head=self.on_cpu)
             self.llm.reset_prefix_cache()
         if gaps := self._sync_gaps(sent, heard):
             raise SyncIncomplete(f"the weight sync left the engine without {', '.join(gaps[:4])}"
@@ -535,7 +440,7 @@ class VLLMEngine:
         gaps += [f"vLLM: {m}" for m in heard if not _NOTHING_LOST.fullmatch(m)
                  and not (self.tied and m == "ParallelLMHead: Failed to load weights")]
         if self.on_cpu:
-            gaps += [f"{n} (still discarded)" for n in _vllm_internal(self.llm, "discarded")]
+            gaps += [f"{n} (still discarded)" for n in vllm_internal(self.llm, "discarded")]
         return gaps
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import engines
+import vllm_internal
 import model as M
 import packing
 import parallel
@@ -193,8 +194,8 @@ def test_wake_of_the_weights_needs_room_for_what_the_sync_holds(monkeypatch, cap
 def test_activation_peak_is_read_from_the_worker_or_bounded_at_the_first_sleep(monkeypatch):
     worker = SimpleNamespace(peak_activation_memory=5 * GiB)
     llm = SimpleNamespace(collective_rpc=lambda method, **kw: [method(worker)])
-    assert engines._vllm_internal(llm, "activation_peak") == 5 * GiB
-    assert engines._vllm_internal(SimpleNamespace(collective_rpc=lambda m, **kw: [m(object())]),
+    assert vllm_internal.vllm_internal(llm, "activation_peak") == 5 * GiB
+    assert vllm_internal.vllm_internal(SimpleNamespace(collective_rpc=lambda m, **kw: [m(object())]),
                                   "activation_peak") is None  # a worker without the measure
     engine, _, _ = fake_engine(monkeypatch)
     engine.activation_peak, engine.reserved = None, 8 * GiB  # no measure: the reservation minus what sleep frees

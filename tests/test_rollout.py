@@ -12,6 +12,7 @@ import lora
 import packing
 import ppo
 import rollout
+import vllm_internal
 from conftest import run_script
 from model import decoder_layers, load_causal_lm, make_tiny, token_logprobs
 from parallel import full_state_dict
@@ -303,7 +304,7 @@ def test_a_sync_that_misses_part_of_a_fused_layer_stops_naming_it(restored, tiny
         restored.sync_weights(iter(adapted_only))
     assert str(e.value).startswith("the weight sync left the engine without vLLM: VocabParallelEmbedding: Failed to "
                                    "load weights, "), str(e.value)
-    left = engines._vllm_internal(restored.llm, "discarded")  # what the NaNs say: the layers that got nothing...
+    left = vllm_internal.vllm_internal(restored.llm, "discarded")  # what the NaNs say: the layers that got nothing...
     assert {"model.norm.weight", "model.layers.0.mlp.gate_up_proj.weight (its packed GEMM)"} <= set(left), left
     assert not [n for n in left if "qkv_proj" in n]  # ...but not a fused layer rebuilt from a part: the file list does
 
