@@ -20,7 +20,7 @@ from conftest import CPU_ENV, ROOT, run_script
 from journal import Journal
 from logs import make_logger, read_metrics
 from test_faults import args, metrics, same_run
-from test_trust import actor_and_optimiser
+from test_trust import actor_and_optimiser, trained as one_step  # noqa: F401 (a fixture: a one-step run)
 
 
 # ----------------------------------------------------------------------------- pruning, latest, a same-numbered step
@@ -239,15 +239,6 @@ def test_a_fallback_past_a_damaged_checkpoint_loses_nothing_and_ends_where_the_r
     assert "step_000003 at step 3" in proc.stdout
     assert names(out) == ["step_000003", "step_000004"] and checkpoint.damage(out / "step_000004") is None
     same_run(out, tmp_path / "uninterrupted", step=4, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def one_step(tiny_model_dir, tmp_path_factory):
-    """A one-step run (GRPO) with its exported checkpoint."""
-    out = tmp_path_factory.mktemp("resume") / "run"
-    proc = run_script("train.py", *args(tiny_model_dir, out, "--adv", "grpo", steps=1), env=CPU_ENV, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
 
 
 @pytest.mark.slow
