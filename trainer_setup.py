@@ -245,7 +245,7 @@ def resume(args, run):
     saved = json.loads((ckpt / "trainer_state.json").read_text())
     if why := lora_mismatch(saved.get("lora"), run.lora):
         die(f"--resume: {ckpt} {why}")
-    same_run(ckpt, saved, args, run.world, say)
+    same_run(ckpt, saved, args, run, say)
     if saved["step"] >= run.total_steps and saved.get("export", True) and not saved.get("pending"):
         say(f"[resume] {ckpt} is step {saved['step']}, and --steps asks for {run.total_steps}: nothing to train",
             flush=True)
@@ -279,14 +279,19 @@ RUN_ONLY = {"steps", "epochs", "out", "resume", "overwrite", "allow_changed", "s
 PATHS = {"model", "critic_model", "data"}  # compared as the files they name (a relative path, an absolute one)
 
 
-def same_run(ckpt, saved, args, world, say):
+def same_run(ckpt, saved, args, run, say):
     """Refuse in one line to continue the checkpoint's run with other maths (RUN_ONLY: the flags that may change),
-    naming each flag, its old and new value and --allow-changed; print each change that is allowed, once."""
+    naming each flag, its old and new value and --allow-changed; print each change that is allowed, once. --steps
+    (or --epochs) may change unless it moves the learning rate's warm-up (a share of the run's steps)."""
     old = saved.get("args")
     if old is None:
         say(f"[resume] {ckpt} records no flags (written before checkpoints did): not compared", flush=True)
         return
     now = vars(args)
+
+    def warmups(a):  # lr_lambda's warm-up steps of the actor and the critic
+        total = a.get("steps") or run.steps_per_epoch * (a.get("epochs") or 1)
+        return [int(total * (a.get(f"{m}_warmup_ratio") or 0)) for m in ("actor", "critic")]
 
     def shown(key, value):
         if key in PATHS and isinstance(value, str) and Path(value).exists():
@@ -298,17 +303,22 @@ def same_run(ckpt, saved, args, world, say):
     allowed = set(args.allow_changed)
     if unknown := sorted(allowed - now.keys()):
         die(f"--allow-changed {','.join(unknown)}: not a flag of train.py")
-    if refused := [k for k in changed if k not in RUN_ONLY and k not in allowed]:
+    refused = [k for k in changed if k not in RUN_ONLY and k not in allowed]
+    if warmups(old) != warmups(now) and "steps" not in allowed:
+        refused.append("steps")
+    if refused:
         die(f"--resume: {ckpt} belongs to a run with other " + "; ".join(
-            f"{flag(k)} {shown(k, old.get(k))} (now {shown(k, now.get(k))})" for k in refused)
+            f"{flag(k)} {shown(k, old.get(k))} (now {shown(k, now.get(k))}" + (
+                f": the warm-up, actor and critic, {warmups(old)} steps, would be {warmups(now)})" if k == "steps"
+                else ")") for k in refused)
             + f": give another --out for a new run, or continue this one with them on purpose: --allow-changed "
               f"{','.join(k.replace('_', '-') for k in refused)}")
     for k in changed:
         if k not in ("out", "resume", "overwrite", "allow_changed"):
             say(f"[resume] {flag(k)} {shown(k, old.get(k))} -> {shown(k, now.get(k))}"
                 + ("" if k in RUN_ONLY else " (--allow-changed)"), flush=True)
-    if saved.get("world_size") not in (None, world):
-        say(f"[resume] {saved['world_size']} ranks -> {world}", flush=True)
+    if saved.get("world_size") not in (None, run.world):
+        say(f"[resume] {saved['world_size']} ranks -> {run.world}", flush=True)
 
 
 def lora_mismatch(saved, now):

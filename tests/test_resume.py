@@ -207,6 +207,29 @@ def test_weight_files_follow_the_index(tmp_path):
         parallel.weight_files(d)
 
 
+def test_steps_may_change_unless_they_move_the_warm_up(tmp_path, capsys):
+    import argparse
+    from types import SimpleNamespace
+
+    from trainer_setup import same_run
+
+    flags = dict(steps=10, epochs=1, actor_warmup_ratio=0.0, critic_warmup_ratio=0.0, seed=0, out="a", allow_changed=[])
+    run = SimpleNamespace(steps_per_epoch=100, world=1)
+    said = []
+    say = lambda line, flush=False: said.append(line)  # noqa: E731 (train.py's print on rank 0)
+    same_run(tmp_path, {"args": flags}, argparse.Namespace(**{**flags, "steps": 20}), run, say)
+    assert said == ["[resume] --steps 10 -> 20"]
+    with pytest.raises(SystemExit):  # a warm-up of 0.2 of the steps: 2 steps, would become 4
+        same_run(tmp_path, {"args": {**flags, "actor_warmup_ratio": 0.2}},
+                 argparse.Namespace(**{**flags, "steps": 20, "actor_warmup_ratio": 0.2}), run, say)
+    err = capsys.readouterr().err
+    assert "--steps 10 (now 20: the warm-up, actor and critic, [2, 0] steps, would be [4, 0])" in err, err
+    assert "--allow-changed steps" in err
+    with pytest.raises(SystemExit):
+        same_run(tmp_path, {"args": flags}, argparse.Namespace(**{**flags, "allow_changed": ["sede"]}), run, say)
+    assert "--allow-changed sede: not a flag of train.py" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- train.py and eval.py
 
 @pytest.mark.slow
