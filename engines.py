@@ -12,7 +12,6 @@ import re
 import time
 from array import array
 from collections import namedtuple
-from pathlib import Path
 
 import torch
 

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402

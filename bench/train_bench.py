@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 

@@ -5,7 +5,6 @@ an export that lost or gained a file. Each fault is injected into real files (an
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
