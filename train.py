@@ -208,7 +208,7 @@ def main(argv=None):
             with timed(timer, "rollout"):
                 trajs = guard.run("rollout", lambda: sample_batch(run, args, step, desc=bar("rollout"), poll=guard.poll),
                                   interruptible=True)  # a SIGTERM stops it at the engine's next step
-                run.engine.sleep()  # frees weights and KV cache for training on GPU; a no-op on CPU
+                run.engine.sleep()  # frees weights and KV cache for training (on CPU: destroys the weights, as a GPU would)
                 batch = rollout.to_batch(trajs, run.tokenizer.pad_token_id)
 
             # ---- 2. score: binary accuracy of the final answer (minus the length cost, if any)
