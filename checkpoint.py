@@ -99,7 +99,7 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
                 files[str(path.relative_to(tmp))] = file_digest(path, sync=True)
         write_durable(tmp / MANIFEST, json.dumps(dict(sorted(files.items())), indent=0))
         for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True) + [tmp]:
-            fsync_dir(d)  # the entries of every file: a crash after the rename finds them all
+            fsync_path(d)  # the entries of every file: a crash after the rename finds them all
         old = final.with_name(f"{final.name}.old")  # an earlier step_N (_occupied): kept until the new one is in
         shutil.rmtree(old, ignore_errors=True)
         if final.is_dir():
@@ -109,7 +109,7 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, out / "latest")
-        fsync_dir(out)
+        fsync_path(out)
         shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             prune(out, keep_last, trainer_state.get("run_id"), {*complete, step}, {step, resumed})
@@ -202,7 +202,8 @@ def write_durable(path, text):
     return [len(data), hashlib.sha256(data).hexdigest()]
 
 
-def fsync_dir(path):
+def fsync_path(path):
+    """fsync a file (its bytes) or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

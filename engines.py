@@ -83,9 +83,9 @@ def tp_sizes(heads, kv_heads, ranks=None):
 
 
 def check_tensor_parallel(model_path, tp, world):
-    """One line when --engine-tp cannot split this model, these ranks or a node's ranks (torchrun's
-    LOCAL_WORLD_SIZE) (tp_sizes), before any engine starts (vLLM's CPU platform sets LOCAL_WORLD_SIZE to its own
-    tensor-parallel size)."""
+    """One line when --engine-tp cannot split this model (tp_sizes), these ranks or a node's ranks (torchrun's
+    LOCAL_WORLD_SIZE). Call it before any engine starts: vLLM's CPU platform sets LOCAL_WORLD_SIZE to its own
+    tensor-parallel size."""
     if tp == 1:
         return
     from transformers import AutoConfig
@@ -110,8 +110,8 @@ def needed_tensors(model_path, tied):
     """{HF name: shape}: what every weight sync into an engine started from `model_path` must send, since a sleep
     (level 2 on a GPU; engines.VLLMEngine.sleep on a CPU) discards every weight, and vLLM rebuilds a fused layer
     (q/k/v, gate/up) it receives in part from uninitialised memory: every tensor of the model's safetensors files
-    (parallel.weight_files: the index's, when there is one), less what vLLM never loads from a checkpoint (rotary caches, computed from the
-    config; a tied lm_head, which is the embedding). None where the weights are no local safetensors files (a hub
+    (parallel.weight_files: the index's, when there is one), less what vLLM never loads from a checkpoint (rotary
+    caches, computed from the config; a tied lm_head, which is the embedding). None where the weights are no local safetensors files (a hub
     id): vLLM's own "not loaded" warnings, and on a CPU the discarded weights, still stop an incomplete sync."""
     from parallel import safetensors_index, weight_files
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checkpoint import fsync_path
 from cli import die, no_link, write_atomic
 from packing import padding_counts
 from parallel import all_reduce_dict
@@ -138,13 +139,8 @@ def read_metrics(out, say=print):
 
 def sync_metrics(out):
     """fsync OUT/metrics.jsonl (with each checkpoint: the steps it holds survive a crash of the node)."""
-    path = Path(out) / METRICS
-    if path.exists():
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if (Path(out) / METRICS).exists():
+        fsync_path(Path(out) / METRICS)
 
 
 def format_line(m, total_steps):

@@ -24,7 +24,7 @@ from cli import die, write_atomic
 from model import (check_attn_implementation, compile_model, compiler_missing, decoder_layers, end_of_turn_ids,
                    load_causal_lm, load_critic, load_tokenizer, refuse_unsupported, resolve_model)
 from checkpoint import base_digests, find_resumable, load_checkpoint
-from logs import read_metrics
+from logs import METRICS, read_metrics
 from parallel import barrier, check_shared_out, full_state_dict, init_distributed, load_sharded
 from perf import model_shape, peak_tflops
 from system import choose_dtype, keep_freed_memory, trainer_threads
@@ -236,7 +236,7 @@ def resume(args, run):
     its trainer state, or None where OUT holds none (a fresh run: metrics.jsonl from an earlier one is dropped)."""
     say = print if run.master else (lambda *a, **k: None)
     ckpt = find_resumable(run.out, log=lambda line: say(line, flush=True))
-    metrics_file = run.out / "metrics.jsonl"
+    metrics_file = run.out / METRICS
     if ckpt is None:
         say(f"[resume] no checkpoint in {run.out}: starting at step 0", flush=True)  # (a mistyped --out)
         if run.master:

@@ -4,6 +4,7 @@ links planted in OUT, paths in a checkpoint's metadata that lead outside it, a t
 an export that lost or gained a file. Each fault is injected into real files (and real train.py and eval.py runs)."""
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -132,8 +133,6 @@ def test_paths_a_checkpoint_names_stay_inside_it(tiny_model_dir, tmp_path):
             if i.relative_path == original:
                 i.relative_path = rel
         (ckpt / "sharded" / "extra.distcp").write_bytes(b"x")
-        import pickle
-
         meta.write_bytes(pickle.dumps(md))
         assert why in (with_manifest({**want, "sharded/.metadata": checkpoint.file_digest(meta)}) or ""), rel
         for i in md.storage_data.values():
