@@ -148,9 +148,10 @@ def test_no_write_follows_a_link_planted_in_out(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "curves.png").symlink_to(outside)
-    write_atomic(out / "curves.png", b"png")  # the link is replaced, never followed
+    (out / f".curves.png.tmp{os.getpid()}").symlink_to(outside)  # at the very temp name this process writes first
+    write_atomic(out / "curves.png", b"png")  # both links replaced, neither followed
     assert outside.read_text() == "keep me" and not (out / "curves.png").is_symlink()
-    (out / ".summary.json.tmp4242").symlink_to(outside)  # a temp name planted too (another pid's: harmless)
+    assert (out / "curves.png").read_bytes() == b"png" and not (out / f".curves.png.tmp{os.getpid()}").exists()
     (out / "metrics.jsonl").symlink_to(outside)
     log = make_logger(type("A", (), {"wandb": False, "tensorboard": False})(), out)
     with pytest.raises(SystemExit):
