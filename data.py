@@ -31,8 +31,8 @@ import random
 import re
 from pathlib import Path
 
-import hub
-from cli import ArgumentParser, deprecated, die, positive_int
+from infra import hub
+from infra.cli import ArgumentParser, deprecated, die, positive_int
 
 ROOT = Path(__file__).resolve().parent
 SYSTEM_PROMPTS = {
@@ -386,7 +386,7 @@ def _templated(id, data_source, question, truth, index, solution=None):
 
 
 def _inputs(args):
-    """--input's files, else the dataset's files fetched from the Hugging Face hub (hub.py), and a name for them."""
+    """--input's files, else the dataset's files fetched from the Hugging Face hub (infra/hub.py), and a name for them."""
     paths = args.input
     if not paths:
         paths, commit = hub.fetch_dataset(args.cmd, args.revision)

@@ -11,8 +11,8 @@ a line saying so), the system prompt `Please reason step by step, ... \boxed{}.`
 budget sweep (REFERENCE_BUDGETS up to the cap). `--max-turns K` evaluates with interventions; `--protocol sampled`
 as the efficient-reasoning tables do (temperature 0.6, top-p 0.95, mean@16). Generation goes through rollout.py
 (vLLM, or `--engine hf`), every sample in one engine call per turn; scoring through reward.py; repeated responses
-are repetition.py's. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md, DIR/budget.png and DIR/journal/
-(journal.py: every finished request, so that a rerun with the same arguments continues a stopped evaluation).
+are infra/repetition.py's. Writes DIR/samples.jsonl, DIR/summary.json, DIR/summary.md, DIR/budget.png and DIR/journal/
+(eval_journal.py: every finished request, so that a rerun with the same arguments continues a stopped evaluation).
 Checkpoints of one architecture share one engine: the next one's weights go in through engine.sync_weights.
 
 Budget sweep. Each problem is generated ONCE, at G = max(--max-response-tokens, max(--budgets)) tokens.
@@ -41,9 +41,9 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
-from cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 from data import DataError, read_rows
 from eval_report import pass_at_k, summarize, write_outputs  # noqa: F401 (pass_at_k: tests, bench)
+from infra.cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
@@ -70,10 +70,11 @@ def generate(engine, tokenizer, records, args, desc=None, prompts=None, journal=
     Every sample goes to the engine in one call per turn (journal.Journaled: requests the journal already holds are
     replayed, the others recorded as they finish; at most --max-in-flight in the engine at once); desc: label of a
     progress bar over finished requests (one per sample and turn)."""
-    import rollout
-    from journal import Journal, Journaled
-    from model import end_of_turn_ids
     from tqdm import tqdm
+
+    import rollout
+    from eval_journal import Journal, Journaled
+    from model import end_of_turn_ids
 
     eos_ids = end_of_turn_ids(tokenizer.name_or_path, tokenizer)
     gen_tokens = max([args.max_response_tokens] + args.budgets)
@@ -225,7 +226,8 @@ def samples_from_rows(rows, path, tokenizer_spec):
                 die(f"--score {path}: {loc}: response {j} is {type(text).__name__}, not text")
             if counts[j] is None:  # no token counts in the file: count with --tokenizer
                 if tokenizer is None:
-                    from model import load_tokenizer, resolve_model
+                    from infra.hf import load_tokenizer
+                    from model import resolve_model
                     tokenizer = load_tokenizer(resolve_model(tokenizer_spec))
                 counts[j] = len(tokenizer.encode(text, add_special_tokens=False))
             samples.append({
@@ -376,7 +378,7 @@ def replace_out(out, master):
         print(f"[setup] --overwrite: replacing {', '.join(p.name for p in mine)} in {out}", file=sys.stderr, flush=True)
         for p in mine:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    from parallel import barrier
+    from infra.collectives import barrier
 
     barrier()
 
@@ -402,7 +404,7 @@ def weights_fingerprint(path, kind):
     """What a checkpoint's generations depend on, by content (a checkpoint retrained into the same path is another
     one): the SHA-256 of its weight files, from its training checkpoint's manifest where it has one (hashed as it was
     written), else read now; a hub id by name."""
-    import checkpoint
+    from infra import checkpoint
 
     if kind == "hub":
         return path
@@ -419,7 +421,7 @@ def checkpoint_tensors(path):
     (sync_weights)."""
     from safetensors import safe_open
 
-    from parallel import weight_files
+    from infra.weights import weight_files
 
     for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
@@ -429,7 +431,7 @@ def checkpoint_tensors(path):
 
 def main(argv=None):
     args = parse_args(argv)
-    from system import keep_freed_memory, quiet_logs
+    from infra.system import keep_freed_memory, quiet_logs
 
     quiet_logs(args.verbose)
     if args.score:
@@ -440,7 +442,8 @@ def main(argv=None):
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
     import data
-    from model import check_attn_implementation, check_model, end_of_turn_ids, load_tokenizer, resolve_model
+    from infra.hf import check_attn_implementation, load_tokenizer
+    from model import check_model, end_of_turn_ids, resolve_model
 
     if args.engine == "hf":
         check_attn_implementation(args.attn_implementation)
@@ -461,12 +464,13 @@ def main(argv=None):
             die(f"--benchmarks {b}: {e}")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1:  # before --out's default: rank 0's clock names it for every rank
-        from parallel import init_distributed
+        from infra.collectives import init_distributed
 
         init_distributed()
-    from parallel import RanksDisagree, broadcast_object, gather_to_first, weight_files
-
-    import checkpoint  # a training checkpoint is evaluated as its manifest says it was written, or not at all
+    from infra import \
+        checkpoint  # a training checkpoint is evaluated as its manifest says it was written, or not at all
+    from infra.collectives import RanksDisagree, broadcast_object, gather_to_first
+    from infra.weights import weight_files
     for name, why in broadcast_object({c: checkpoint.damage(Path(p).parent, only="actor") for c, p in paths.items()
                                        if kinds[c] == "checkpoint" and (Path(p).parent / checkpoint.MANIFEST).exists()}
                                       if rank == 0 else None).items():
@@ -480,9 +484,9 @@ def main(argv=None):
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if master else (lambda line: None)
     if args.temperature == 0 and args.samples_per_prompt > 1:
         say("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer")
-    import engines
-    from journal import Journal
-    from system import choose_dtype
+    from eval_journal import Journal
+    from infra import engines
+    from infra.system import choose_dtype
 
     prepared = {}  # name -> (tokenizer, prompt ids, longest prompt, context window); before any engine starts
     for name, path in paths.items():
@@ -565,7 +569,7 @@ def main(argv=None):
             engine.close()  # frees its memory before the next engine (under torchrun: ends the process group too)
         gc.collect()
     if world > 1:
-        from parallel import close_distributed
+        from infra.collectives import close_distributed
 
         close_distributed()  # (the hf engine's group; vLLM's shutdown already ended it)
     if not master:

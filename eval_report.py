@@ -7,7 +7,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from cli import write_atomic
+from infra.cli import write_atomic
 
 
 def pass_at_k(n, c, k):
@@ -39,7 +39,7 @@ def summarize(samples, budgets, multi_turn):
         for key in ("kept_tokens", "intervention_tokens"):  # the policy tokens a cut kept; the interventions' tokens
             if all(s.get(key) is not None for s in group):
                 stats[key] = statistics.fmean(s[key] for s in group)
-        for key in ("repeated", "repeated_after_answer"):  # repetition.py; unknown (None) for --score files (no ids)
+        for key in ("repeated", "repeated_after_answer"):  # infra/repetition.py; unknown (None) for --score files (no ids)
             stats[key] = None if any(s.get(key) is None for s in group) else statistics.fmean(s[key] for s in group)
         n = max(len(c) for c in per_problem)
         if n > 1:  # accuracy is then mean@n, the unbiased pass@1

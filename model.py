@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import packing
-from cli import ArgumentParser, die
+from infra import hf, packing, weights
+from infra.cli import ArgumentParser, die
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = Path(os.environ.get("MUTIS_MODELS_DIR", ROOT / "models"))
@@ -151,15 +151,6 @@ def make_tiny(out_dir, seed=0, hidden=128, layers=2, heads=4, kv_heads=2, interm
     return str(out_dir)
 
 
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def end_of_turn_ids(path, tokenizer):
     """Every id that ends a turn: the tokenizer's EOS and all of the generation config's
     eos_token_id (Qwen2.5 and Llama 3 list several, e.g. <|im_end|> and <|endoftext|>)."""
@@ -174,88 +165,7 @@ def end_of_turn_ids(path, tokenizer):
     return sorted(ids)
 
 
-ATTN_IMPLEMENTATIONS = (packing.VARLEN, "sdpa", "flash_attention_2", "eager")
-
-
-def check_attn_implementation(name, device=None):
-    """A bad --attn-implementation fails in one line, before any model is loaded."""
-    import importlib.util
-
-    if name not in ATTN_IMPLEMENTATIONS:
-        die(f"--attn-implementation {name!r}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
-    if name == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None:
-            die("--attn-implementation flash_attention_2: flash-attn is not installed "
-                "(pip install -e '.[flash]' on a CUDA machine), or use varlen")
-        if device is not None and torch.device(device).type != "cuda":
-            die("--attn-implementation flash_attention_2 needs a CUDA device; use varlen on CPU")
-    return name
-
-
-def _attention(name):
-    """attn_implementation as transformers takes it: ours (varlen) registered first."""
-    if name == packing.VARLEN:
-        packing.register_varlen_attention()
-    return name
-
-
-def _on_meta(auto_cls, path, dtype, attn):
-    """auto_cls (AutoModelForCausalLM, AutoModel) built from the config at `path` on the meta device: no weights."""
-    from transformers import AutoConfig
-
-    with torch.device("meta"):
-        return auto_cls.from_config(AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation=attn)
-
-
-def unsupported_features(config, attn_implementation, head=True):
-    """What the trainer would silently compute differently from the model's own definition -> list of strings:
-    under varlen attention a sliding window (Mistral-7B-v0.1, Gemma 2, Qwen2 with use_sliding_window) or attention
-    logit soft-capping (Gemma 2); with an LM head (token_logprobs computes the logits itself) final-logit
-    soft-capping. Attention sinks (gpt-oss) arrive only at run time: packing.varlen_attention refuses them there."""
-    found = []
-    if attn_implementation == packing.VARLEN:
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None:
-            sliding = any(t in ("sliding_attention", "chunked_attention") for t in layer_types)
-        else:
-            sliding = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
-        if sliding:
-            found.append(f"sliding-window attention (sliding_window={getattr(config, 'sliding_window', None)})")
-        if getattr(config, "attn_logit_softcapping", None):
-            found.append(f"attention logit soft-capping ({config.attn_logit_softcapping})")
-    if head and getattr(config, "final_logit_softcapping", None):
-        found.append(f"final logit soft-capping ({config.final_logit_softcapping})")
-    return found
-
-
-def refuse_unsupported(path, attn_implementation, head=True):
-    """One line naming the model and what it needs (unsupported_features), before any weight is read."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    config = getattr(config, "text_config", None) or config
-    if found := unsupported_features(config, attn_implementation, head):
-        hint = ("; use --attn-implementation sdpa" if any(not f.startswith("final") for f in found)
-                else ": this model cannot be trained here")
-        die(f"{path}: the trainer does not compute {' or '.join(found)}{hint}")
-
-
-def load_causal_lm(path, dtype=torch.float32, attn_implementation="sdpa", meta=False):
-    """The causal LM at `path`; meta=True builds it from its config on the meta device, reading no weights
-    (parallel.load_sharded then fills each rank's shard). An attention the implementation does not compute: one
-    line (refuse_unsupported; the log-prob head is checked where token_logprobs will run: train.py)."""
-    from transformers import AutoModelForCausalLM
-
-    refuse_unsupported(path, attn_implementation, head=False)
-    attn = _attention(attn_implementation)
-    if meta:
-        return _on_meta(AutoModelForCausalLM, path, dtype, attn)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-
-
 # ----------------------------------------------------------------------------- critic
-
-VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nn.Module):
@@ -290,22 +200,16 @@ def load_critic(path, dtype=torch.float32, attn_implementation="sdpa", meta=Fals
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    refuse_unsupported(path, attn_implementation, head=False)
-    attn = _attention(attn_implementation)
+    hf.refuse_unsupported(path, attn_implementation, head=False)
+    attn = hf.attention(attn_implementation)
     if meta:
-        return ValueModel(_on_meta(AutoModel, path, dtype, attn))
+        return ValueModel(hf.on_meta(AutoModel, path, dtype, attn))
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     critic = ValueModel(backbone)
-    head_file = Path(path) / VALUE_HEAD_FILE
+    head_file = Path(path) / weights.VALUE_HEAD_FILE
     if head_file.exists():
         critic.value_head.load_state_dict(load_file(head_file))
     return critic
-
-
-def decoder_layers(model):
-    """The decoder layers of a causal LM or a critic (ValueModel)."""
-    backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
-    return backbone.layers
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -332,7 +236,7 @@ def compile_model(model, backend="inductor"):
     gather and free each layer's parameters) and activation checkpointing stay eager around it, and state-dict
     names are unchanged. The layers share one code object and one compiled graph; dynamic=True keeps the varying
     packed length symbolic (no recompile per micro-batch)."""
-    for layer in decoder_layers(model):
+    for layer in hf.decoder_layers(model):
         layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
     if not isinstance(model, ValueModel):
         setattr(model, COMPILED_HEAD, torch.compile(_head_chunk, dynamic=True, backend=backend))
@@ -368,7 +272,7 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
     path.
     """
     assert temperature > 0, "greedy rollouts have no log-probs to match: use temperature > 0"
-    if unsupported := unsupported_features(model.config, None):
+    if unsupported := hf.unsupported_features(model.config, None):
         raise ValueError(f"token_logprobs does not compute {unsupported[0]}")
     captured = {}
     hook = model.base_model.register_forward_hook(
@@ -391,35 +295,6 @@ def token_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=51
         entropies.append(entropy)
     logp = packing.unpack(torch.cat(logps), mb)              # [b, r]
     return (logp, packing.unpack(torch.cat(entropies), mb)) if with_entropy else logp
-
-
-def engine_memory_error(when, need, free, total, trainer, utilization, peak=0):
-    """The engine's memory guard, pure arithmetic on bytes -> None when vLLM's `need` + `peak` fit in `free`, else the
-    one line to die with (the numbers in GiB and the flag to change), instead of a CUDA traceback later.
-      when="start": vLLM 0.32 reserves gpu_memory_utilization x TOTAL device memory (not x free) and refuses to
-        start unless that much is free (v1/worker/utils.py, request_memory), whatever the trainer already holds:
-        need = ceil(utilization x total).
-      when="wake": need = what the engine's sleep freed and waking maps back (weights and KV cache, measured);
-        peak = the activation peak vLLM profiled at start-up and sized its KV cache around (v1/worker/gpu_worker.py,
-        peak_activation_memory): generate allocates it through PyTorch's allocator, outside the sleep pools; or,
-        when larger, what the weight sync holds while the weights wake (engines.VLLMEngine.sync_peak). Both
-        against what is free once PyTorch's cache is emptied: by then the trainer also holds gradients and Adam
-        state, which the start-up check never saw.
-    trainer: bytes PyTorch holds in this process (for the message). --grad-checkpointing is no remedy at either
-    point: it lowers the update's activation peak, which is freed before both checks."""
-    if need + peak <= free:
-        return None
-    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    held = (f"only {gib(free)} of {gib(total)} is free (this trainer holds {gib(trainer)}, other processes "
-            f"{gib(max(total - free - trainer, 0))})")
-    fits = int(free / total * 100) / 100  # the largest share that would pass vLLM's start-up check now
-    lower = f"lower --gpu-memory-utilization to {fits:.2f} or less" if fits >= 0.01 else "free the device"
-    if when == "start":
-        return (f"vLLM cannot start: --gpu-memory-utilization {utilization:g} x {gib(total)} = {gib(need)} must be "
-                f"free, but {held}: {lower} (a smaller KV cache), or pass --offload (the trainer's weights on the CPU)")
-    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)} and its weight sync or forward passes up to "
-            f"{gib(peak)} more, but {held}: pass --offload (parameters, gradients and Adam state on the CPU), or "
-            f"lower --gpu-memory-utilization from {utilization:g} (a smaller KV cache)")
 
 
 def main():

@@ -10,7 +10,7 @@ Answers go through three layers, cheapest first:
    (Fractions: integers, decimals, scientific notation, repeating decimals, mixed numbers) or with
    relative tolerance 1e-4, and tuples, intervals and answer sets element by element.
 3. math-verify (`parse` + `verify`) for whatever the fast path cannot decide, in a worker process
-   that is killed and replaced when a comparison exceeds its time limit (grading.py), with
+   that is killed and replaced when a comparison exceeds its time limit (infra/grading.py), with
    math-verify's own timeouts disabled (parsing_timeout=None, timeout_seconds=None).
 
 Public API: find_answer, extract_answer, is_equivalent, register, score_batch.
@@ -21,7 +21,7 @@ import re
 from collections import namedtuple
 from fractions import Fraction
 
-import grading
+from infra import grading
 
 DEFAULT_TIMEOUT = 1.0  # seconds per comparison
 REL_TOL = 1e-4  # relative tolerance once a decimal is involved (Minerva golds are rounded)
@@ -436,11 +436,12 @@ def _decide_fast(pred, golds):
 
 
 # ---------------------------------------------------------------------------------------------
-# The slow path: math-verify, run inside grading.py's killable worker processes
+# The slow path: math-verify, run inside infra/grading.py's killable worker processes
 
 @functools.lru_cache(maxsize=4096)
 def _mv_parse(s):
     from math_verify import parse
+
     # math-verify reads 1.24e-8 as 1.24*E - 8: spell scientific notation out for it
     s = re.sub(r"(?<![A-Za-z\\])(\d+(?:\.\d*)?)[eE]([-+]?\d+)(?![\d.])", r"\1\\times10^{\2}", s)
     return parse("\\boxed{" + s + "}", parsing_timeout=None)
@@ -467,7 +468,7 @@ def _slow_equal(pred, golds):
 
 
 def _grade(tasks, workers, timeout):
-    """math-verify's verdicts for tasks [(pred, golds)], in order, in killable worker processes (grading.py)."""
+    """math-verify's verdicts for tasks [(pred, golds)], in order, in killable worker processes (infra/grading.py)."""
     return grading.run(tasks, workers, timeout, judge="reward:_slow_equal", warmup=("x^2", [r"\frac{x}{1/x}"]))
 
 

@@ -13,7 +13,7 @@ action_mask = 1 exactly on the policy's tokens. Everything stays on token ids: t
 never decoded and re-tokenized between turns; the intervention is tokenized once, wrapped as
 "\n\n<text>\n\n" so that it reads as its own paragraph even when the budget cut a word in half.
 
-The engines (vLLM in-process, a transformers fallback) are engines.py's.
+The engines (vLLM in-process, a transformers fallback) are infra/engines.py's.
 """
 import argparse
 import json
@@ -26,13 +26,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import ArgumentParser, die, positive_int, write_atomic
-from engines import RolloutTimeout, check_tensor_parallel, make_engine
-from model import end_of_turn_ids, load_tokenizer, resolve_model
-from parallel import RanksDisagree, gather_to_first, init_distributed
-from repetition import repeated
+from infra.cli import ArgumentParser, die, positive_int, write_atomic
+from infra.collectives import RanksDisagree, gather_to_first, init_distributed
+from infra.engines import RolloutTimeout, check_tensor_parallel, make_engine
+from infra.hf import load_tokenizer
+from infra.repetition import repeated
+from infra.system import choose_dtype, keep_freed_memory, quiet_logs
+from model import end_of_turn_ids, resolve_model
 from reward import find_answer  # one answer detector for the turn rule and the reward
-from system import choose_dtype, keep_freed_memory, quiet_logs
 
 INTERVENTIONS = {
     "paper": "Warning! Your previous action is invalid. Please try again:",
@@ -311,7 +312,7 @@ def own_share(rollout, prompt_indices):
 
 # per trajectory, summed by trajectory_sums (train.py's metrics average them): tokens decoded by the engine (every turn, a cut's dropped tail included:
 # what a user pays), kept (the policy's tokens up to each cut: what is trained on), the interventions' tokens (the
-# environment's, never decoded); turns; ended on an answer; ran into a token limit in a loop (repetition.py)
+# environment's, never decoded); turns; ended on an answer; ran into a token limit in a loop (infra/repetition.py)
 TRAJECTORY_KEYS = ("decoded_tokens", "kept_tokens", "intervention_tokens", "turns", "answered", "repeated",
                    "repeated_after_answer")
 
@@ -324,7 +325,7 @@ def trajectory_sums(trajs):
             **{k: float(sum(t[k] for t in trajs)) for k in ("turns", "answered", "repeated", "repeated_after_answer")}}
 
 
-def summarize(rollout, seconds):
+def rollout_summary(rollout, seconds):
     """The CLI's summary line: totals of TRAJECTORY_KEYS' tokens, per-trajectory means of the rest, decoded tokens/s."""
     sums, B = trajectory_sums(rollout), max(1, len(rollout))
     return dict(trajectories=len(rollout), seconds=round(seconds, 3),
@@ -469,7 +470,7 @@ def main(argv=None):
         t["id"] = records[t["prompt_index"]]["id"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, "".join(json.dumps(t) + "\n" for t in rollout))
-    summary = dict(summarize(rollout, seconds), prompts_truncated=n_cut, out=args.out)
+    summary = dict(rollout_summary(rollout, seconds), prompts_truncated=n_cut, out=args.out)
     print(json.dumps(summary))
 
 

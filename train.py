@@ -6,7 +6,7 @@
 Per step (main): rollout (multi-turn, vLLM) -> score -> reference/old log-probs and values -> advantages
 over action tokens -> PPO epochs (actor, critic) -> sync weights to the engine -> log -> validate ->
 checkpoint. Every rank owns one vLLM engine (or shares one with the K-1 ranks beside it: --engine-tp K) and
-samples its own shard of the global batch; actor, critic and reference are FSDP2-sharded across ranks. Each phase ends where every rank arrives together (faults.py):
+samples its own shard of the global batch; actor, critic and reference are FSDP2-sharded across ranks. Each phase ends where every rank arrives together (infra/faults.py):
 a SIGTERM stops all of them at the same point with a checkpoint, a rank that hangs is named.
 
 The objective (Zhao et al., "MuTIS", EMNLP 2025, eq. 2-3): a trajectory interleaves the policy's tokens
@@ -33,19 +33,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import faults
-import lora
 import ppo
 import reward
 import rollout
-from checkpoint import rng_states, save_checkpoint
-from cli import ArgumentParser, deprecated, die, positive_int
+from infra import faults, lora
+from infra.checkpoint import rng_states, save_checkpoint
+from infra.cli import ArgumentParser, deprecated, die, positive_int
+from infra.collectives import all_reduce_dict, all_reduce_sum, barrier, close_distributed
+from infra.packing import forward_pass, micro_batches, pack
+from infra.sharding import reshard
+from infra.system import quiet_logs
 from model import token_logprobs
-from logs import format_line, format_tokens, make_logger, report, step_metrics, sync_metrics, timed
-from packing import forward_pass, micro_batches, pack
-from parallel import all_reduce_dict, all_reduce_sum, barrier, close_distributed, reshard
-from system import quiet_logs
-from trainer_setup import logged_validations, models_and_optimisers, resume, setup, sync_engine, trainer_state
+from train_logs import format_line, format_tokens, make_logger, report, step_metrics, sync_metrics, timed
+from train_setup import logged_validations, models_and_optimisers, resume, setup, sync_engine, trainer_state
 
 
 def parse_args(argv=None):

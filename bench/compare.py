@@ -35,8 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from cli import ArgumentParser, die, write_atomic  # noqa: E402
 from eval import PROTOCOLS  # noqa: E402
+from infra.cli import ArgumentParser, die, write_atomic  # noqa: E402
 
 # eval.py's protocols, with the sampled one at k = 4 (eval.py's default is 16): a CPU comparison of many runs
 SETTINGS = {**PROTOCOLS, "sampled": {**PROTOCOLS["sampled"], "samples_per_prompt": 4}}
@@ -447,7 +447,8 @@ def main(argv=None):
     if not ta.val_data or ta.max_turns < 1:
         die("train.py arguments need --val-data (every run validates on it) and --max-turns >= 1 (the MuTIS run)")
     import rollout
-    from model import load_tokenizer, resolve_model
+    from infra.hf import load_tokenizer
+    from model import resolve_model
     ids = rollout.intervention_ids(load_tokenizer(resolve_model(ta.model)), ta.intervention_text)
     opts.intervention_tokens, T = len(ids), ta.turn_tokens
     cap = rollout.sample_kwargs(ta, ids)["max_response_tokens"]  # the longest MuTIS response

@@ -8,7 +8,7 @@ median seconds over --repeats and the median of each round's ratio (robust to a 
   plain   one LLM.generate call with every prompt: temperature 0, max_tokens the cap, stop at the end-of-turn ids,
           no log-probs, no detokenizing (the least any script could ask of vLLM)
   eval    eval.generate, what eval.py runs: every sample in one engine call, each finished one appended and fsync'ed
-          to the journal (journal.py) and counted by the progress bar
+          to the journal (eval_journal.py) and counted by the progress bar
   before  eval.py until 2026-12-05: rollout.sample over 64 problems per engine call (--engine-batch), log-probs on:
           each call waits for its longest response while the rest of the batch slot stays empty
 Target: plain / eval >= 0.95. Also checks that eval's tokens are plain's, and reports each way's process CPU seconds.
@@ -27,12 +27,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import engines  # noqa: E402
 import eval as ev  # noqa: E402
 import rollout  # noqa: E402
-from journal import Journal  # noqa: E402
-from model import end_of_turn_ids, load_tokenizer, resolve_model  # noqa: E402
-from system import keep_freed_memory, quiet_logs  # noqa: E402
+from eval_journal import Journal  # noqa: E402
+from infra import engines  # noqa: E402
+from infra.hf import load_tokenizer  # noqa: E402
+from infra.system import keep_freed_memory, quiet_logs  # noqa: E402
+from model import end_of_turn_ids, resolve_model
 
 OLD_BATCH = 64  # the old --engine-batch default
 

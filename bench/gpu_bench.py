@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-import perf  # noqa: E402  (this checkout's formula, whichever code version runs)
+from infra import perf  # noqa: E402  (this checkout's formula, whichever code version runs)
 from trainer_phases import Phases, load_code, plain_pass, rollout_like  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-1.5B's config.json (the fields that shape the compute)

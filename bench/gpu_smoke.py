@@ -30,14 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import engines  # noqa: E402
-import lora  # noqa: E402
-import packing  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
-from model import decoder_layers, end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model, token_logprobs  # noqa: E402,E501
-from system import default_device, quiet_logs  # noqa: E402
-from parallel import full_state_dict, init_distributed  # noqa: E402
+from infra import engines  # noqa: E402
+from infra import lora  # noqa: E402
+from infra import packing  # noqa: E402
+from infra.collectives import init_distributed  # noqa: E402
+from infra.hf import decoder_layers, load_causal_lm, load_tokenizer  # noqa: E402,E501
+from infra.sharding import full_state_dict
+from infra.system import default_device, quiet_logs  # noqa: E402
+from model import end_of_turn_ids, resolve_model, token_logprobs
 
 FAILS = []
 

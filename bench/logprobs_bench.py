@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
-import packing  # noqa: E402
-import system as S  # noqa: E402
+from infra import packing  # noqa: E402
+from infra import system as S  # noqa: E402
 
 
 def naive_logprobs(m, ids, mask, start, temperature, with_entropy):

@@ -3,7 +3,7 @@
     python bench/lora_memory.py                       # SmolLM2-135M, --adv gae and grpo, rank 16
     python bench/lora_memory.py --model DIR --lora-rank 8 --rows 8 --tokens 512
 
-Builds the models as train.py does (trainer_setup.load_models: FSDP2 on one rank, the trainer's dtype), runs one
+Builds the models as train.py does (train_setup.load_models: FSDP2 on one rank, the trainer's dtype), runs one
 micro-batch of `rows` x `tokens` through the actor's log-probs and backward, one optimiser step, and counts bytes:
 weights (trained and frozen), gradients, optimiser state, and activations (what autograd saved for backward, each
 storage once, parameters not counted). Every figure is exact for these tensors; the allocator's own overhead and
@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import packing  # noqa: E402
 import train  # noqa: E402
-import trainer_setup  # noqa: E402
+import train_setup  # noqa: E402
+from infra import packing  # noqa: E402
+from infra.collectives import close_distributed, init_distributed  # noqa: E402
+from infra.system import choose_dtype, quiet_logs  # noqa: E402
 from model import resolve_model, token_logprobs  # noqa: E402
-from parallel import close_distributed, init_distributed  # noqa: E402
-from system import choose_dtype, quiet_logs  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -53,7 +53,7 @@ def measure(flags, rows, tokens, device):
     args = train.parse_args(["--data", "arith_train", "--steps", "1", *flags])
     args.dtype = choose_dtype(args.dtype, device)[0]
     run = SimpleNamespace(model_path=resolve_model(args.model), device=device, total_steps=1)
-    trainer_setup.load_models(args, run)
+    train_setup.load_models(args, run)
     models = [m for m in (run.actor, run.ref, run.critic) if m is not None]
     params = [p for m in models for p in m.parameters()]
     out = {"trained weights": sum(nbytes(p) for p in params if p.requires_grad),

@@ -36,6 +36,7 @@ def main():
         sys.path.insert(0, str(ROOT))
         import model
 
+
         path = Path(tempfile.gettempdir()) / f"mutis-random-{args.shape}"
         if not (path / "config.json").exists():
             model.make_tiny(path, **SHAPES[args.shape])

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import reward  # noqa: E402
-from model import load_tokenizer, resolve_model  # noqa: E402
+from infra.hf import load_tokenizer  # noqa: E402
+from model import resolve_model
 
 PREFILL = "Answer:"
 

@@ -24,10 +24,11 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import engines  # noqa: E402
 import rollout  # noqa: E402
-from model import load_causal_lm, resolve_model  # noqa: E402
-from system import choose_dtype, keep_freed_memory  # noqa: E402
+from infra import engines  # noqa: E402
+from infra.hf import load_causal_lm  # noqa: E402
+from infra.system import choose_dtype, keep_freed_memory  # noqa: E402
+from model import resolve_model
 
 
 def log(res):
@@ -100,7 +101,7 @@ def main():
                                   args.temperature, features=True)
         runs["plain_natural"].append(n_tok / s)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    summary = rollout.summarize(ro, ro.stats["seconds"])
+    summary = rollout.rollout_summary(ro, ro.stats["seconds"])
     res = dict(model=Path(path).name, dtype=args.engine_dtype, enforce_eager=args.enforce_eager, freed_memory_kept=kept,
                threads=torch.get_num_threads(), block_size=engine.llm.llm_engine.vllm_config.cache_config.block_size,
                prompts=len(prompts), n=args.samples_per_prompt, turn_tokens=args.turn_tokens, max_turns=args.max_turns,

@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines  # noqa: E402  (the --engine-tp rule: one copy)
-from cli import ArgumentParser  # noqa: E402  (bad flags: one line)
+from infra import engines  # noqa: E402  (the --engine-tp rule: one copy)
+from infra.cli import ArgumentParser  # noqa: E402  (bad flags: one line)
 
 GIB = 2 ** 30
 ACT_BYTES = 75            # per token, x hidden x layers, no checkpointing (docs/memory.md's rule of thumb)

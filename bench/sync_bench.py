@@ -2,7 +2,7 @@
 in, the engine samples; for a full fine-tune and for LoRA on several sets of targets.
 
 For each case, `--repeats` times: sleep (a GPU frees weights and KV cache; a CPU destroys what a GPU would discard),
-sync (train.py's engine weights: parallel.full_state_dict, or lora.merged_weights), then sample the prompts at
+sync (train.py's engine weights: sharding.full_state_dict, or lora.merged_weights), then sample the prompts at
 temperature 1 and compare the engine's log-probs with the trainer's (fp32 trainer; the same numbers as train.py's
 rollout/logprob_gap). Prints one line per case (median seconds, bytes sent, the gap) and each case's sync time as a
 ratio of the full fine-tune's; the last stdout line is the whole result as JSON.
@@ -16,16 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
-import engines  # noqa: E402
-import lora  # noqa: E402
-import rollout  # noqa: E402
 from gpu_smoke import gap, moved, trainer_logprobs  # noqa: E402
-from model import end_of_turn_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from parallel import full_state_dict  # noqa: E402
-from system import default_device, quiet_logs  # noqa: E402
+
+import data  # noqa: E402
+import rollout  # noqa: E402
+from infra import engines  # noqa: E402
+from infra import lora  # noqa: E402
+from infra.hf import load_causal_lm, load_tokenizer  # noqa: E402
+from infra.sharding import full_state_dict  # noqa: E402
+from infra.system import default_device, quiet_logs  # noqa: E402
+from model import end_of_turn_ids, resolve_model
 
 CASES = {"full": None, "lora all-linear": lora.TARGETS, "lora q_proj,v_proj": ("q_proj", "v_proj"),
          "lora gate_proj": ("gate_proj",)}

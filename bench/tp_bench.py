@@ -28,12 +28,14 @@ import torch.distributed as dist
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines  # noqa: E402
-import lora  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
-from parallel import full_state_dict, init_distributed, shard  # noqa: E402
-from system import peak_rss_gb  # noqa: E402
+from infra import engines  # noqa: E402
+from infra import lora  # noqa: E402
+from infra import hf
+from infra.collectives import init_distributed  # noqa: E402
+from infra.sharding import full_state_dict, shard
+from infra.system import peak_rss_gb  # noqa: E402
 
 
 def decode(engine, prompts, seeds, tokens, leader):
@@ -75,9 +77,9 @@ def main():
     dist.barrier()
     res.update(decode(engine, [prompts[i] for i in group], group, args.tokens, rank % args.engine_tp == 0))
 
-    trainer = model.load_causal_lm(str(path))  # the trainer's copy, FSDP2-sharded as train.py shards it
+    trainer = hf.load_causal_lm(str(path))  # the trainer's copy, FSDP2-sharded as train.py shards it
     if args.lora_rank:
-        lora.adapt(trainer, model.decoder_layers(trainer), args.lora_rank, 32, lora.TARGETS, torch.float32)
+        lora.adapt(trainer, hf.decoder_layers(trainer), args.lora_rank, 32, lora.TARGETS, torch.float32)
         for _, layer in lora.adapted_layers(trainer):
             torch.nn.init.normal_(layer.lora_B.weight, std=1e-3)
     shard(trainer)

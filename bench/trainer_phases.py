@@ -15,16 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_code(code_dir=None):
-    """model, parallel, train, setup (trainer_setup, or train where it held setup) (and packing, where it exists;
-    system, or model where the system helpers lived there) imported from code_dir (default: this checkout)."""
+    """model, parallel, train, setup, packing (None before it existed) and system of code_dir (default: this
+    checkout), under the names of the flat layout whatever the version's: where the plumbing lives in infra/,
+    `parallel` is its collectives, sharding, weights and export modules, and `model` holds hf.py's loaders too."""
     os.environ.setdefault("MUTIS_MODELS_DIR", str(ROOT / "models"))  # one prepared SmolLM2 for every version
-    sys.path.insert(0, str(Path(code_dir or ROOT).resolve()))
-    mods = {name: importlib.import_module(name) for name in ("model", "parallel", "train")}
-    mods["packing"] = importlib.import_module("packing") if (Path(code_dir or ROOT) / "packing.py").exists() else None
-    mods["system"] = importlib.import_module("system") if (Path(code_dir or ROOT) / "system.py").exists() else mods["model"]
+    code = Path(code_dir or ROOT).resolve()
+    sys.path.insert(0, str(code))
+    imp = importlib.import_module
+    if (code / "infra").is_dir():
+        model, infra = imp("model"), [imp(f"infra.{m}") for m in ("collectives", "sharding", "weights", "hf_export")]
+        joined = lambda *mods: SimpleNamespace(**{k: v for m in mods for k, v in vars(m).items()})  # noqa: E731
+        return SimpleNamespace(model=joined(imp("infra.hf"), model), parallel=joined(*infra), train=imp("train"),
+                               setup=imp("train_setup"), packing=imp("infra.packing"), system=imp("infra.system"))
+    mods = {name: imp(name) for name in ("model", "parallel", "train")}
+    mods["packing"] = imp("packing") if (code / "packing.py").exists() else None
+    mods["system"] = imp("system") if (code / "system.py").exists() else mods["model"]
     # train.py's setup helpers (make_optimizer) moved to trainer_setup.py; older versions keep them in train.py
-    has_setup = (Path(code_dir or ROOT) / "trainer_setup.py").exists()
-    mods["setup"] = importlib.import_module("trainer_setup") if has_setup else mods["train"]
+    mods["setup"] = imp("trainer_setup") if (code / "trainer_setup.py").exists() else mods["train"]
     return SimpleNamespace(**mods)
 
 

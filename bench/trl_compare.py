@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 import trl_grpo_step as cfg  # noqa: E402  (the shared configuration constants)
-from cli import ArgumentParser, die  # noqa: E402
+
+from infra.cli import ArgumentParser, die  # noqa: E402
+from infra.system import _cpuinfo_text  # noqa: E402
 from model import resolve_model  # noqa: E402
-from system import _cpuinfo_text  # noqa: E402
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TRL_MODULES = ("trl", "transformers", "datasets", "accelerate", "math_verify", "torch")

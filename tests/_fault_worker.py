@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines  # noqa: E402
 import train  # noqa: E402
+from infra import engines  # noqa: E402
 
 kind, step, *rest = sys.argv[1].split(":")
 step, rank = int(step), int(rest[0]) if rest and rest[0] != "*" else None

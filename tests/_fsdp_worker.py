@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
-import packing  # noqa: E402
-import parallel  # noqa: E402
+from infra import packing  # noqa: E402
+from infra import collectives, hf, hf_export, sharding  # noqa: E402
 
 
 def batch(world, rows=2, prompt=6, response=10, seed=1):
@@ -55,7 +55,7 @@ def max_diff(a, b):
 
 def main():
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
-    rank, world, _, device = parallel.init_distributed()  # CPU/gloo, or this rank's GPU when the test has 2
+    rank, world, _, device = collectives.init_distributed()  # CPU/gloo, or this rank's GPU when the test has 2
     torch.manual_seed(0)
     ids, mask, start = (t.to(device) if torch.is_tensor(t) else t for t in batch(world))
     rows = ids.shape[0] // world
@@ -63,18 +63,18 @@ def main():
     all_slices = [(ids[r * rows:(r + 1) * rows], mask[r * rows:(r + 1) * rows], start) for r in range(world)]
     res = {}
 
-    for kind, load, loss_fn in (("policy", M.load_causal_lm, policy_loss), ("critic", M.load_critic, value_loss)):
+    for kind, load, loss_fn in (("policy", hf.load_causal_lm, policy_loss), ("critic", M.load_critic, value_loss)):
         plain, sharded = load(model_dir).to(device), load(model_dir).to(device)
         if kind == "critic":  # a non-zero head, so the backbone gets gradients too
             for m in (plain, sharded):
                 torch.nn.init.normal_(m.value_head.weight, std=0.1, generator=torch.Generator(device).manual_seed(3))
         before = {n: p.detach().clone() for n, p in plain.named_parameters()}
         plain.train(), sharded.train()
-        parallel.shard(sharded, grad_checkpointing=True)
+        sharding.shard(sharded, grad_checkpointing=True)
         g_plain = step(plain, loss_fn, all_slices)
         g_sharded = step(sharded, loss_fn, mine)
         p_plain = dict(plain.named_parameters())
-        p_sharded = dict(parallel.full_state_dict(sharded))
+        p_sharded = dict(sharding.full_state_dict(sharded))
         res[f"{kind}_names_equal"] = sorted(p_sharded) == sorted(n for n, _ in plain.named_parameters())
         res[f"{kind}_grad_diff"] = max_diff(g_sharded, g_plain)
         res[f"{kind}_grad_max"] = max(g.abs().max().item() for g in g_plain.values())
@@ -85,11 +85,11 @@ def main():
         sharded.eval()
         with torch.no_grad():
             if kind == "policy":
-                parallel.save_hf(sharded, M.load_tokenizer(model_dir), out_dir / kind, dtype=torch.float32)
+                hf_export.save_hf(sharded, hf.load_tokenizer(model_dir), out_dir / kind, dtype=torch.float32)
                 out = M.token_logprobs(sharded, packing.from_padded(ids, mask, start))
                 want = sharded(input_ids=ids, attention_mask=mask).logits
             else:
-                parallel.save_critic(sharded, out_dir / kind)
+                hf_export.save_critic(sharded, out_dir / kind)
                 out = sharded(packing.from_padded(ids, mask, start))
         if rank == 0:
             with torch.no_grad():
@@ -97,7 +97,7 @@ def main():
                     from safetensors import safe_open
                     with safe_open(str(out_dir / kind / "model.safetensors"), "pt") as f:
                         res["saved_has_lm_head"] = "lm_head.weight" in f.keys()
-                    reloaded = M.load_causal_lm(str(out_dir / kind)).to(device).eval()
+                    reloaded = hf.load_causal_lm(str(out_dir / kind)).to(device).eval()
                     res["reload_logits_diff"] = (reloaded(input_ids=ids, attention_mask=mask).logits - want).abs().max().item()
                     res["reload_logprobs_diff"] = (M.token_logprobs(reloaded, packing.from_padded(ids, mask, start)) - out).abs().max().item()
                 else:
@@ -105,7 +105,7 @@ def main():
                     res["reload_values_diff"] = (reloaded(packing.from_padded(ids, mask, start)) - out).abs().max().item()
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
-    parallel.close_distributed()
+    collectives.close_distributed()
 
 
 if __name__ == "__main__":

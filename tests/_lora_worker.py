@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lora  # noqa: E402
-import model as M  # noqa: E402
-import parallel  # noqa: E402
 from _fsdp_worker import batch, max_diff, policy_loss  # noqa: E402
+
+from infra import lora  # noqa: E402
+from infra import collectives, hf, weights  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 
 
 def adapted(model):
-    return lora.adapt(model, M.decoder_layers(model), RANK, ALPHA, lora.TARGETS, torch.float32, seed=5)
+    return lora.adapt(model, hf.decoder_layers(model), RANK, ALPHA, lora.TARGETS, torch.float32, seed=5)
 
 
 def full(t):
@@ -41,14 +41,14 @@ def set_rows(p, value, rank, world):
 
 def main():
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
-    rank, world, _, device = parallel.init_distributed()
+    rank, world, _, device = collectives.init_distributed()
     ids, mask, start = (t.to(device) if torch.is_tensor(t) else t for t in batch(world))
     rows = ids.shape[0] // world
     mine = (ids[rank * rows:(rank + 1) * rows], mask[rank * rows:(rank + 1) * rows], start)
     res = {}
 
-    build = functools.partial(M.load_causal_lm, model_dir)
-    sharded = parallel.load_sharded(lambda meta: adapted(build(meta=meta)), model_dir, device,
+    build = functools.partial(hf.load_causal_lm, model_dir)
+    sharded = weights.load_sharded(lambda meta: adapted(build(meta=meta)), model_dir, device,
                                     init_missing=functools.partial(lora.initial_value, seed=5))
     plain = adapted(build()).to(device)
     res["init_diff"] = max_diff({n: full(p) for n, p in sharded.named_parameters()},
@@ -88,7 +88,7 @@ def main():
     res["merged_diff"] = max_diff(merged, want)
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(res))
-    parallel.close_distributed()
+    collectives.close_distributed()
 
 
 if __name__ == "__main__":

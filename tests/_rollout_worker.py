@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines  # noqa: E402
 import rollout  # noqa: E402
+from infra import engines  # noqa: E402
 
 
 def main():

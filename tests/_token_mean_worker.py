@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model as M  # noqa: E402
-import packing  # noqa: E402
-import parallel  # noqa: E402
 import train  # noqa: E402
+from infra import packing  # noqa: E402
+from infra import collectives, hf, sharding  # noqa: E402
 
 
 def global_batch(model):
@@ -42,11 +42,11 @@ def global_batch(model):
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    rank, world, _, device = parallel.init_distributed()
-    plain = M.load_causal_lm(model_dir)
+    rank, world, _, device = collectives.init_distributed()
+    plain = hf.load_causal_lm(model_dir)
     batch = global_batch(plain)
     mine = {k: v[rank::world] for k, v in batch.items()}
-    actor = parallel.shard(M.load_causal_lm(model_dir))
+    actor = sharding.shard(hf.load_causal_lm(model_dir))
     calls = []
     actor.register_forward_pre_hook(lambda *_: calls.append(1))
     args = SimpleNamespace(micro_batch_size=1, loss_agg="token-mean", clip_low=0.2, clip_high=0.2, dual_clip=None,
@@ -55,12 +55,12 @@ def main():
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
     micro = packing.micro_batches(mine, torch.arange(len(mine["action_mask"])), args.micro_batch_size, tokens, device)
     stats, skipped = train.ppo_update(actor, None, opt, None, mine, micro, args, contextlib.nullcontext, device)
-    params = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
+    params = {n: t.clone() for n, t in sharding.full_state_dict(actor)}
     every = [None] * world
     dist.all_gather_object(every, len(calls))
     if rank == 0:
         torch.save({"params": params, "skipped": skipped, "stats": stats, "calls": every}, out)
-    parallel.close_distributed()
+    collectives.close_distributed()
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data as data_lib  # noqa: E402
-import engines  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from model import load_tokenizer, resolve_model  # noqa: E402
-from engines import Completion  # noqa: E402
+from infra import engines  # noqa: E402
+from infra.engines import Completion  # noqa: E402
+from infra.hf import load_tokenizer  # noqa: E402
+from model import resolve_model
 
 
 class ScriptedEngine:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engines  # noqa: E402
+from infra import engines  # noqa: E402
 
 
 def main():

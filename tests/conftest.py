@@ -12,7 +12,7 @@ import pytest
 import model  # the flat top-level modules: on the path through pyproject's `pythonpath`
 
 ROOT = Path(__file__).resolve().parents[1]
-# vLLM's CPU engines zero their whole KV cache at start (engines.py's default: 2 GiB); the tests' contexts fit in 1
+# vLLM's CPU engines zero their whole KV cache at start (infra/engines.py's default: 2 GiB); the tests' contexts fit in 1
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # ranks on CPU tensors, gloo
 

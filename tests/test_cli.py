@@ -2,9 +2,9 @@
 import pytest
 
 import eval as ev
-from cli import die
 import rollout
 import train
+from infra.cli import die
 
 # every shared flag set away from its default
 SHARED = ["--system-prompt", "train", "--samples-per-prompt", "3", "--max-turns", "2", "--turn-tokens", "7",
@@ -102,7 +102,7 @@ def test_the_readmes_evaluation_example_is_what_make_demo_runs_last():
 
 def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_dir, capsys, monkeypatch):
     """One line naming what K must divide, with the K that would work; nothing else."""
-    import engines
+    from infra import engines
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one node (an in-process vLLM engine of an earlier test
     # sets it to its own tensor-parallel size)

@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
+from conftest import run_script
+from test_packing import trajectories
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import model as M
-import packing
-from conftest import run_script
-from test_packing import trajectories
+from infra import hf, packing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.slow  # inductor compiles C++ (CPU) or Triton (CUDA) kernels: seconds to a minute
@@ -66,7 +66,7 @@ def pair(build, device):
 
 @needs_compiler
 def test_compiled_logprobs_entropy_and_gradients_equal_eager(tiny_model_dir):
-    eager, compiled = pair(lambda: M.load_causal_lm(tiny_model_dir, attn_implementation="varlen"), DEVICE)
+    eager, compiled = pair(lambda: hf.load_causal_lm(tiny_model_dir, attn_implementation="varlen"), DEVICE)
     frames = run_pair(eager, compiled,
                       lambda m, mb: M.token_logprobs(m, mb, 0.7, with_entropy=True, chunk_size=6), DEVICE)
     # compiled once with symbolic lengths: later micro-batches add at most a specialisation (a 1-token head chunk),
@@ -94,7 +94,7 @@ def test_compiled_critic_values_and_gradients_equal_eager(tiny_model_dir):
 def test_compiled_varlen_kernel_on_cuda_in_bf16(tiny_model_dir):
     """The path --compile is for: bf16 on CUDA, where the layers trace through torch's varlen kernel (a custom op).
     bf16 rounding differs between fused and unfused kernels, so the bound is loose (as the eager kernel's test)."""
-    eager = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="varlen").to("cuda")
+    eager = hf.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="varlen").to("cuda")
     compiled = compiled_copy(eager)
     for seed, rows in BATCHES:
         mb = packing.pack(trajectories(seed, rows), torch.arange(rows), "cuda")

@@ -6,10 +6,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-import cli
-import data
 from conftest import ROOT, run_script, write_jsonl
+
+import data
+from infra import cli
 
 EVAL, TRAIN = data.SYSTEM_PROMPTS["eval"], data.SYSTEM_PROMPTS["train"]
 
@@ -382,9 +382,9 @@ def chatml(messages):
 
 @pytest.mark.parametrize("option", ["eval", "train", "none", "Think hard."])
 def test_prompt_ids_token_exact(smollm2_dir, option):
-    import model
+    from infra import hf
 
-    tok = model.load_tokenizer(smollm2_dir)
+    tok = hf.load_tokenizer(smollm2_dir)
     for rec in data.load_dataset("math500", option, limit=3) + data.load_dataset("arith_test", option, limit=2):
         ids = data.prompt_ids(tok, rec["messages"])
         assert isinstance(ids, list) and all(type(t) is int for t in ids)

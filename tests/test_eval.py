@@ -8,9 +8,9 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_script, write_jsonl
 
 import eval as ev
-from conftest import run_script, write_jsonl
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -238,7 +238,7 @@ def test_end_to_end_tiny_vllm(tmp_path, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def smol_engine(smollm2_dir):
-    import engines
+    from infra import engines
 
     # eager: vLLM's CPU compile of SmolLM2 costs a minute here; test_end_to_end_tiny_vllm covers the compiled path
     engine = engines.make_engine(smollm2_dir, kind="vllm", dtype="float32", seed=0, max_model_len=1024,
@@ -261,7 +261,7 @@ def gsm8k_records(n):
 def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine):
     """Scoring the first b tokens of a 48-token greedy generation == generating with max_tokens=b."""
     import reward
-    from model import load_tokenizer
+    from infra.hf import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     records = gsm8k_records(3)
@@ -299,7 +299,7 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
     """--max-turns 1: cutting a multi-turn trajectory == a multi-turn run with the smaller total budget,
     also when the cut falls inside the intervention (that run then has no room for it and stops)."""
     import rollout
-    from model import load_tokenizer
+    from infra.hf import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     records = gsm8k_records(2)

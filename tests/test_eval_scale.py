@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import data
 import model
-from conftest import ROOT
-from repetition import loop_period
+from infra import hf
+from infra.repetition import loop_period
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 # 12 arithmetic problems, 40 tokens each, at most 3 requests in the engine at once: they finish in waves
@@ -64,7 +65,7 @@ def prompts_of(tokenizer, n):
 
 
 def test_hf_engine_bounds_its_batch_and_reports_each_request(tiny_model_dir):
-    import engines
+    from infra import engines
 
     engine = engines.make_engine(tiny_model_dir, kind="hf", dtype="float32")
     got = check_bounded_callbacks(engine, prompts_of(engine.tokenizer, 5), bound=2)
@@ -78,7 +79,7 @@ def test_defaults_clamp_the_cap_sweep_the_reference_budgets_and_count_repeats(tm
     out = tmp_path / "out"
     r = run_eval(tiny_model_dir, "--benchmarks", "gsm8k", "--limit", 2, "--engine-dtype", "float32",
                  "--enforce-eager", "--out", out)
-    tok = model.load_tokenizer(tiny_model_dir)
+    tok = hf.load_tokenizer(tiny_model_dir)
     longest = max(len(data.prompt_ids(tok, rec["messages"])) for rec in data.load_dataset("gsm8k", "eval", 2))
     cap = 2048 - longest  # the tiny model's context window minus the longest prompt
     notes = [x for x in r.stderr.splitlines() if "clamped" in x]
@@ -178,7 +179,7 @@ def test_two_ranks_write_what_one_rank_writes(pair, torchrun, vllm_two_rank_env,
     """Without --out (the default names it by rank 0's clock; rank 1's reads another hour here), in the default
     dtype: identical samples where that is float32; in bf16 eval.py says what it promises instead (a near-tie can
     break otherwise in another batch), and every problem and prompt is the same."""
-    from system import choose_dtype
+    from infra.system import choose_dtype
 
     first, other, _, _ = pair
     default = [a for a in ARGS if a not in ("--engine-dtype", "float32")]
@@ -234,7 +235,7 @@ def test_the_journal_index_holds_places_not_tokens(tmp_path):
     tokens (32k-token answers are the same per request), measured with tracemalloc."""
     import tracemalloc
 
-    from journal import Journal, request_key
+    from eval_journal import Journal, request_key
 
     settings = {"weights": "x"}
     Journal(tmp_path, "ckpt", 0, settings).close()

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from conftest import CPU_ENV, ROOT, run_script
 from safetensors.torch import load_file
 
-import checkpoint
-from conftest import CPU_ENV, ROOT, run_script
+from infra import checkpoint
 
 pytestmark = pytest.mark.slow  # every test here starts train.py
 WORKER = ROOT / "tests" / "_fault_worker.py"
@@ -226,19 +226,20 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(two_ranks, ti
 
 
 ATTEMPT = """
-import sys, parallel, torch.distributed as dist
-rank = parallel.init_distributed(timeout=float(sys.argv[2]))[0]
+import sys, torch.distributed as dist
+from infra import collectives
+rank = collectives.init_distributed(timeout=float(sys.argv[2]))[0]
 store = dist.distributed_c10d._get_default_store()
 print("saw", store.check([f"peer/{rank}"]))  # an earlier attempt's key of this rank, if this attempt could read it
 store.set(f"peer/{rank}", sys.argv[1])
-parallel.close_distributed()
+collectives.close_distributed()
 """
 
 
 def test_each_attempt_of_the_group_gets_its_own_keys_whatever_each_agent_counted(tmp_path):
     """torchrun's agent serves one TCPStore to every restart of the group; gloo's and NCCL's bootstrap keys of a dead
     attempt (its peers' addresses) must not be read by the next one, and the ranks of one attempt must meet under
-    one prefix even when their nodes' agents counted restarts differently (parallel.agree_on_attempt): here an
+    one prefix even when their nodes' agents counted restarts differently (collectives.agree_on_attempt): here an
     attempt where rank 0 never started (its ack keys stay behind), then one whose node agents say 2 and 0."""
     import subprocess
     import sys

@@ -7,26 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
-import engines
-import vllm_internal
-import model as M
-import packing
-import parallel
-import perf
-import system
-import train
-import trainer_setup
 from test_engine import GiB, fake_engine
 from test_packing import trajectories
+from torch.distributed.tensor import DTensor
+
+import model as M
+import train
+import train_setup
+from infra import collectives, engines, hf, packing, perf, sharding, system, vllm_internal
 
 
 @pytest.fixture
 def one_rank_group():
     import torch.distributed as dist
 
-    parallel.init_distributed()
+    collectives.init_distributed()
     yield
     dist.destroy_process_group()
 
@@ -85,7 +80,7 @@ def test_per_sequence_attention_expands_kv_heads_off_the_cpu(monkeypatch):
 
 def test_sequence_bounds_are_read_once_per_forward_not_per_layer(tiny_model_dir, monkeypatch):
     """cu_seq_lens.tolist() syncs the host with the GPU: once per forward, not in every layer."""
-    model = M.load_causal_lm(tiny_model_dir, attn_implementation="varlen")
+    model = hf.load_causal_lm(tiny_model_dir, attn_implementation="varlen")
     mb = packing.pack(trajectories(), torch.arange(5), "cpu")
     reads, tolist = [], torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t is mb["cu_seq_lens"]) or tolist(t))
@@ -124,10 +119,10 @@ def test_mistral_sliding_window_is_refused_not_dropped(tmp_path, capsys):
         model(**packing.model_inputs(mb))
     path = save_config(tmp_path, config, "mistral")
     with pytest.raises(SystemExit):
-        M.load_causal_lm(path, attn_implementation="varlen", meta=True)
+        hf.load_causal_lm(path, attn_implementation="varlen", meta=True)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sliding-window attention (sliding_window=4)" in err and "sdpa" in err
-    M.load_causal_lm(path, attn_implementation="sdpa", meta=True)  # sdpa masks the window itself
+    hf.load_causal_lm(path, attn_implementation="sdpa", meta=True)  # sdpa masks the window itself
 
 
 @pytest.mark.parametrize("kwargs, what", [({"softcap": 50.0}, "soft-capping"), ({"s_aux": torch.zeros(2)}, "sinks"),
@@ -144,17 +139,17 @@ def test_config_checks_for_each_family(tmp_path, capsys):
 
     ok = [small(LlamaConfig), small(Qwen2Config), small(Qwen2Config, sliding_window=64)]  # use_sliding_window off
     for config in ok:
-        assert M.unsupported_features(config, "varlen") == []
-    assert M.unsupported_features(small(Qwen2Config, use_sliding_window=True, sliding_window=64, max_window_layers=0),
+        assert hf.unsupported_features(config, "varlen") == []
+    assert hf.unsupported_features(small(Qwen2Config, use_sliding_window=True, sliding_window=64, max_window_layers=0),
                                   "varlen") == ["sliding-window attention (sliding_window=64)"]
     gemma = small(Gemma2Config)
-    assert M.unsupported_features(gemma, "varlen") == ["sliding-window attention (sliding_window=4096)",
+    assert hf.unsupported_features(gemma, "varlen") == ["sliding-window attention (sliding_window=4096)",
                                                        "attention logit soft-capping (50.0)",
                                                        "final logit soft-capping (30.0)"]
-    assert M.unsupported_features(gemma, "sdpa") == ["final logit soft-capping (30.0)"]  # token_logprobs' own head
-    assert M.unsupported_features(gemma, "sdpa", head=False) == []                       # the critic has none
+    assert hf.unsupported_features(gemma, "sdpa") == ["final logit soft-capping (30.0)"]  # token_logprobs' own head
+    assert hf.unsupported_features(gemma, "sdpa", head=False) == []                       # the critic has none
     with pytest.raises(SystemExit):
-        M.refuse_unsupported(save_config(tmp_path, gemma, "gemma2"), "sdpa")
+        hf.refuse_unsupported(save_config(tmp_path, gemma, "gemma2"), "sdpa")
     assert "final logit soft-capping (30.0): this model cannot be trained here" in capsys.readouterr().err
 
 
@@ -209,8 +204,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where i
 
 
 def sharded_tiny(path, critic=False):
-    build = M.load_critic if critic else M.load_causal_lm
-    m = parallel.shard(build(path, attn_implementation="varlen").to(DEVICE))
+    build = M.load_critic if critic else hf.load_causal_lm
+    m = sharding.shard(build(path, attn_implementation="varlen").to(DEVICE))
     m.requires_grad_(False)
     return m
 
@@ -237,9 +232,9 @@ def test_weight_sync_gathers_in_the_engine_dtype(tiny_model_dir, one_rank_group,
     model = sharded_tiny(tiny_model_dir)
     gathered, full_tensor = [], DTensor.full_tensor
     monkeypatch.setattr(DTensor, "full_tensor", lambda t: gathered.append(t.dtype) or full_tensor(t))
-    synced = dict(parallel.full_state_dict(model, torch.bfloat16))
+    synced = dict(sharding.full_state_dict(model, torch.bfloat16))
     assert gathered and set(gathered) == {torch.bfloat16}
-    want = M.load_causal_lm(tiny_model_dir).state_dict()
+    want = hf.load_causal_lm(tiny_model_dir).state_dict()
     for name, t in synced.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t.cpu(), want[name].to(torch.bfloat16)), name
 
@@ -263,9 +258,9 @@ def test_trainer_threads_are_set_after_the_engine_starts(tiny_model_dir, tmp_pat
     args = train.parse_args(["--model", tiny_model_dir, "--data", "arith_train", "--adv", "grpo", "--engine", "hf",
                              "--dtype", "float32", "--out", str(tmp_path)])
     try:
-        run = trainer_setup.setup(args)
+        run = train_setup.setup(args)
         assert torch.get_num_threads() == 2  # 8 cores / 4 local ranks
-        assert run.flops["actor"] == perf.model_shape(M.load_causal_lm(tiny_model_dir))
+        assert run.flops["actor"] == perf.model_shape(hf.load_causal_lm(tiny_model_dir))
     finally:
         torch.set_num_threads(before)
         import torch.distributed as dist
@@ -276,7 +271,7 @@ def test_trainer_threads_are_set_after_the_engine_starts(tiny_model_dir, tmp_pat
 
 def test_model_flops_against_a_hand_count(tiny_model_dir):
     """The tiny Llama: hidden 128, 2 layers, 4 heads of 32, 2 KV heads, MLP 256, tied head over the vocabulary."""
-    model = M.load_causal_lm(tiny_model_dir)
+    model = hf.load_causal_lm(tiny_model_dir)
     V = model.config.vocab_size
     per_layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 256 + 2 * 128  # q, o; k, v; gate, up, down; 2 norms
     shape = perf.model_shape(model)
@@ -290,13 +285,13 @@ def test_model_flops_against_a_hand_count(tiny_model_dir):
     batch = {"prompt_mask": torch.tensor([[1] * 6, [0, 0] + [1] * 4]), "response_mask": torch.tensor([[1] * 4, [1] * 3 + [0]])}
     run = SimpleNamespace(flops={"actor": shape, "critic": critic}, reuse_old=False)
     a, c = perf.forward_flops(shape, seqs, resps), perf.forward_flops(critic, seqs, resps)
-    from logs import phase_flops
+    from train_logs import phase_flops
     assert phase_flops(run, SimpleNamespace(ppo_epochs=2), batch) == {"flops_logprobs": 2 * a + c,
                                                                       "flops_update": 3 * (a + c) * 2}
     # LoRA (rank 4 on all seven projections): the adapters count as layer parameters, the frozen base gets no weight
     # gradients, so training is 3 F less one F's weight part (2 P s + 2 P_head r)
-    import lora
-    adapted = lora.adapt(model, M.decoder_layers(model), 4, 8, lora.TARGETS, torch.float32)
+    from infra import lora
+    adapted = lora.adapt(model, hf.decoder_layers(model), 4, 8, lora.TARGETS, torch.float32)
     lora_shape = perf.model_shape(adapted)
     adapters = 4 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 256))  # r x (in + out): q, o; k, v; gate, up, down
     assert lora_shape == dict(shape, layer_params=2 * (per_layer + adapters), frozen_base=True)
@@ -331,11 +326,11 @@ def compiled_layer_coverage(path):
             return gm.forward(*args)
         return run
 
-    actor, ref = (M.load_causal_lm(path, attn_implementation="varlen") for _ in range(2))
+    actor, ref = (hf.load_causal_lm(path, attn_implementation="varlen") for _ in range(2))
     critic = M.load_critic(path, attn_implementation="varlen")
     for name, m in (("actor", actor), ("ref", ref), ("critic", critic)):
         M.compile_model(m, backend=backend)
-        for i, layer in enumerate(M.decoder_layers(m)):
+        for i, layer in enumerate(hf.decoder_layers(m)):
             layer.register_forward_pre_hook(lambda mod, a, name=name, i=i: active.__setitem__(0, (f"{name} {mode[0]}", i)))
             layer.register_forward_hook(lambda mod, a, out: active.__setitem__(0, None))
     mb = packing.pack(trajectories(), torch.arange(5), "cpu")

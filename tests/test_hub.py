@@ -1,4 +1,4 @@
-"""hub.py through data.py: `limo` and `r1_220k` without --input fetch from a local HTTP server standing in for the
+"""infra/hub.py through data.py: `limo` and `r1_220k` without --input fetch from a local HTTP server standing in for the
 Hugging Face hub (HF_ENDPOINT), into a fresh cache (HF_HOME), then work from that cache without the server; a hub
 that cannot be reached or answers 404 is one `error:` line naming --input, and nothing under --out."""
 import hashlib
@@ -15,10 +15,10 @@ from urllib.parse import unquote, urlsplit
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_script
 
 import data
-import hub as hub_module
-from conftest import run_script
+from infra import hub as hub_module
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the one commit of every fake repository
 API = re.compile(r"^/api/datasets/([^/]+/[^/]+)/(revision|tree)/([^/]+)")

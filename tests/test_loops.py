@@ -8,15 +8,15 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_script
+from test_turn_rule import EOS, ids, iv, run, tok  # noqa: F401 (iv, tok: the fixtures, SmolLM2's tokenizer)
 
 import eval as ev
 import eval_report
-import logs
 import reward
 import rollout
-from conftest import run_script
-from repetition import repeated
-from test_turn_rule import EOS, ids, iv, run, tok  # noqa: F401 (iv, tok: the fixtures, SmolLM2's tokenizer)
+import train_logs
+from infra.repetition import repeated
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -71,10 +71,10 @@ def test_interventions_are_counted_apart_and_a_dropped_stop_is_still_decoded(tok
 def test_the_step_line_and_validation_line_show_kept_tokens_only_where_they_differ():
     keys = {"decoded_tokens": 64.0, "kept_tokens": 17.0, "intervention_tokens": 0.0, "repeated": 0.5,
             "repeated_after_answer": 0.5}
-    assert logs.format_tokens({f"val/{k}": v for k, v in keys.items()}, "val/") == \
+    assert train_logs.format_tokens({f"val/{k}": v for k, v in keys.items()}, "val/") == \
         "tokens 64.0 (kept 17.0)  repeated 50% (after an answer 50%)"
     same = {**keys, "kept_tokens": 64.0, "repeated": 0.0, "repeated_after_answer": 0.0}
-    assert logs.format_tokens(same) == "tokens 64.0"
+    assert train_logs.format_tokens(same) == "tokens 64.0"
 
 
 def test_repeated_after_an_answer_needs_the_whole_rest_to_loop():
@@ -127,8 +127,8 @@ def test_validation_and_multi_turn_eval_count_what_the_cut_dropped(answer_loop_m
     """Turns cut at their first answer (validation's multi-turn greedy, eval.py --max-turns): the looper keeps 4 tokens
     and decodes the whole turn budget; both figures are reported, and the loop is."""
     import data
-    import engines
     import train
+    from infra import engines
 
     engine = engines.make_engine(answer_loop_models["looper"], kind="vllm", dtype="float32", seed=0,
                                  max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.2)

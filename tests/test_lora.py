@@ -1,24 +1,21 @@
-"""LoRA (lora.py), each against an independent computation: the formula by hand, the merged weights in a plain model,
+"""LoRA (infra/lora.py), each against an independent computation: the formula by hand, the merged weights in a plain model,
 PEFT's own loader, plain PyTorch for FSDP2 on 2 ranks; and train.py with --lora-rank end to end on 2 ranks."""
 import json
 import shutil
 
 import pytest
 import torch
-
-import checkpoint
-import lora
-import model as M
-import parallel
 from conftest import CPU_ENV, VALIDATE, metrics, run_script, train_args
-from trainer_setup import lora_mismatch
+
+from infra import checkpoint, hf, hf_export, lora
+from train_setup import lora_mismatch
 
 RANK, ALPHA = 4, 8.0
 
 
 def adapted(model_dir, dtype=torch.float32, targets=lora.TARGETS, seed=0):
-    m = M.load_causal_lm(model_dir)
-    return lora.adapt(m, M.decoder_layers(m), RANK, ALPHA, targets, dtype, seed=seed).eval()
+    m = hf.load_causal_lm(model_dir)
+    return lora.adapt(m, hf.decoder_layers(m), RANK, ALPHA, targets, dtype, seed=seed).eval()
 
 
 def perturb(m, seed=0):
@@ -56,11 +53,11 @@ def test_an_adapted_layer_computes_the_formula():
 
 def test_the_adapted_model_starts_as_the_base_merges_exactly_and_switches_off(tiny_model_dir):
     ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(1))
-    base = M.load_causal_lm(tiny_model_dir).eval()
+    base = hf.load_causal_lm(tiny_model_dir).eval()
     m = adapted(tiny_model_dir)
     assert torch.equal(logits(m, ids), logits(base, ids))  # B = 0
     perturb(m)
-    merged = M.load_causal_lm(tiny_model_dir).eval()
+    merged = hf.load_causal_lm(tiny_model_dir).eval()
     state = dict(merged.named_parameters())
     weights = dict(lora.merged_weights(m, torch.float32))
     assert list(weights) == list(state)  # the whole base, in its order (an engine that slept holds none of it)
@@ -92,20 +89,20 @@ def test_a_target_the_blocks_lack_is_named(tiny_model_dir):
 
 
 def test_the_export_is_the_merged_model_and_peft_loads_the_adapter(tiny_model_dir, tmp_path):
-    """parallel.save_hf of an adapted model: actor/ reloads as the merged model, adapter/ through PEFT's own
+    """hf_export.save_hf of an adapted model: actor/ reloads as the merged model, adapter/ through PEFT's own
     PeftModel.from_pretrained on the base gives the adapted model's logits."""
     peft = pytest.importorskip("peft")
     m = perturb(adapted(tiny_model_dir))
-    parallel.save_hf(m, M.load_tokenizer(tiny_model_dir), tmp_path / "actor", dtype=torch.float32,
+    hf_export.save_hf(m, hf.load_tokenizer(tiny_model_dir), tmp_path / "actor", dtype=torch.float32,
                      adapter_dir=tmp_path / "adapter", base=tiny_model_dir)
     ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(2))
     want = logits(m, ids)
-    reloaded = M.load_causal_lm(tmp_path / "actor").eval()
+    reloaded = hf.load_causal_lm(tmp_path / "actor").eval()
     assert not any("lora" in n for n, _ in reloaded.named_parameters())
     assert torch.allclose(logits(reloaded, ids), want, atol=1e-4)
     config = json.loads((tmp_path / "adapter" / lora.PEFT_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (RANK, ALPHA, str(tiny_model_dir))
-    with_peft = peft.PeftModel.from_pretrained(M.load_causal_lm(tiny_model_dir), tmp_path / "adapter").eval()
+    with_peft = peft.PeftModel.from_pretrained(hf.load_causal_lm(tiny_model_dir), tmp_path / "adapter").eval()
     assert torch.allclose(logits(with_peft, ids), want, atol=1e-5)
 
 
@@ -181,7 +178,7 @@ def test_lora_training_samples_the_merged_adapters_and_checkpoints_only_them(lor
     weights = {k for k in stored if ".model." in k.split("optim")[0] and not k.startswith(("actor.optim", "critic.optim"))}
     assert weights and all("lora_" in k or "value_head" in k for k in weights), sorted(weights)[:5]  # no base
     assert checkpoint.damage(ckpt) is None
-    merged = M.load_causal_lm(ckpt / "actor")
+    merged = hf.load_causal_lm(ckpt / "actor")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     assert json.loads((ckpt / "adapter" / lora.PEFT_CONFIG).read_text())["r"] == RANK
     r = run_script("eval.py", ckpt, "--benchmarks", "arith_test", "--limit", 2, "--max-response-tokens", 8,
@@ -211,7 +208,7 @@ def test_the_adapter_serves_in_vllm_on_its_base_as_the_merged_actor(lora_run, ti
               max_model_len=256, kv_cache_memory_bytes=2**30, block_size=32, enable_chunked_prefill=False,
               max_num_batched_tokens=4096)
     try:
-        tok = M.load_tokenizer(base)
+        tok = hf.load_tokenizer(base)
         prompts = [tok.encode(f"What is {i} + {3 * i}? Answer:") for i in range(4)]
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
         served = {name: [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -219,8 +216,8 @@ def test_the_adapter_serves_in_vllm_on_its_base_as_the_merged_actor(lora_run, ti
                   for name, request in (("adapter", LoRARequest("actor", 1, str(ckpt / "adapter"))), ("base", None))}
     finally:
         llm.llm_engine.engine_core.shutdown()
-    models = {"peft": peft.PeftModel.from_pretrained(M.load_causal_lm(base), ckpt / "adapter").eval(),
-              "actor": M.load_causal_lm(ckpt / "actor").eval()}
+    models = {"peft": peft.PeftModel.from_pretrained(hf.load_causal_lm(base), ckpt / "adapter").eval(),
+              "actor": hf.load_causal_lm(ckpt / "actor").eval()}
     gaps = {}
     for (model, served_by), outs in [((m, s), served[s]) for m in models for s in served]:
         gap = 0.0

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 import model as M
-import packing
-import parallel
+from infra import hf, hf_export, packing
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return M.load_causal_lm(tiny_model_dir).eval()
+    return hf.load_causal_lm(tiny_model_dir).eval()
 
 
 def make_batch(B=3, P=7, R=9, seed=0):
@@ -38,8 +37,8 @@ def naive_logprobs(m, ids, mask, P, temperature=1.0):
 
 @pytest.mark.slow  # the 135M model on the CPU
 def test_smollm2_generates(smollm2_dir):
-    tok = M.load_tokenizer(smollm2_dir)
-    lm = M.load_causal_lm(smollm2_dir).eval()  # fp32: faster than bf16 on CPUs without AMX
+    tok = hf.load_tokenizer(smollm2_dir)
+    lm = hf.load_causal_lm(smollm2_dir).eval()  # fp32: faster than bf16 on CPUs without AMX
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
@@ -50,7 +49,7 @@ def test_smollm2_generates(smollm2_dir):
 
 
 def test_tiny_forward(tiny, tiny_model_dir):
-    assert len(M.load_tokenizer(tiny_model_dir)) == tiny.config.vocab_size
+    assert len(hf.load_tokenizer(tiny_model_dir)) == tiny.config.vocab_size
     ids = torch.randint(0, tiny.config.vocab_size, (2, 12))
     with torch.no_grad():
         logits = tiny(input_ids=ids).logits
@@ -98,7 +97,7 @@ def test_token_logprobs_gradient_matches_naive(tiny_model_dir):
     weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(1)) * mask[:, P:]
     grads = []
     for fn in ("chunked", "naive"):
-        m = M.load_causal_lm(tiny_model_dir).train()
+        m = hf.load_causal_lm(tiny_model_dir).train()
         if fn == "chunked":
             logp, ent = M.token_logprobs(m, packing.from_padded(ids, mask, P), 0.7, with_entropy=True, chunk_size=5)
         else:
@@ -141,28 +140,28 @@ def test_critic_save_load_round_trip(tiny_model_dir, tmp_path):
     with torch.no_grad():
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
         critic.backbone.norm.weight.mul_(1.5)  # the backbone must round-trip too, not only the head
-    parallel.save_critic(critic, tmp_path / "critic")
+    hf_export.save_critic(critic, tmp_path / "critic")
     again = M.load_critic(str(tmp_path / "critic"))
     ids, mask, P = make_batch()
     with torch.no_grad():
         mb = packing.from_padded(ids, mask, P)
         torch.testing.assert_close(again(mb), critic(mb), atol=0, rtol=0)
     # a critic directory is also a causal LM directory (e.g. --critic-model of a later run)
-    assert M.load_causal_lm(str(tmp_path / "critic")).config.vocab_size == critic.config.vocab_size
+    assert hf.load_causal_lm(str(tmp_path / "critic")).config.vocab_size == critic.config.vocab_size
 
 
 def test_save_hf_bf16_reloads_and_replaces(tiny, tiny_model_dir, tmp_path):
-    tok = M.load_tokenizer(tiny_model_dir)
+    tok = hf.load_tokenizer(tiny_model_dir)
     out = tmp_path / "export"
-    parallel.save_hf(tiny, tok, out)
-    parallel.save_hf(tiny, tok, out)  # an existing directory is replaced, not merged or refused
+    hf_export.save_hf(tiny, tok, out)
+    hf_export.save_hf(tiny, tok, out)  # an existing directory is replaced, not merged or refused
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dirs left behind"
-    reloaded = M.load_causal_lm(str(out), dtype=torch.bfloat16)
+    reloaded = hf.load_causal_lm(str(out), dtype=torch.bfloat16)
     ids = torch.randint(0, 5000, (2, 10))
     with torch.no_grad():
-        want = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)(input_ids=ids).logits
+        want = hf.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)(input_ids=ids).logits
         torch.testing.assert_close(reloaded(input_ids=ids).logits, want, atol=0, rtol=0)
 
 
@@ -171,7 +170,7 @@ def test_save_hf_shards_with_index_and_reloads_equal(tiny, tiny_model_dir, tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "export"
-    parallel.save_hf(tiny, M.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
+    hf_export.save_hf(tiny, hf.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -217,14 +216,14 @@ def mid_model_dir(tmp_path_factory):
 
 
 def test_two_ranks_load_only_their_shard(mid_model_dir, tiny_model_dir, tmp_path, torchrun, two_rank_env):
-    """train.py's loading (parallel.load_sharded) on 2 ranks: each rank's peak stays near its half of the weights
+    """train.py's loading (weights.load_sharded) on 2 ranks: each rank's peak stays near its half of the weights
     (whole-then-shard, measured the same way, needs the full model), and the weights are the file's. A critic
     loads the same way, from a save_critic directory (its head) and from a causal LM (a zero head)."""
     full = sum(p.stat().st_size for p in Path(mid_model_dir).glob("*.safetensors"))
     critic = M.load_critic(tiny_model_dir)
     with torch.no_grad():
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
-    parallel.save_critic(critic, tmp_path / "critic")
+    hf_export.save_critic(critic, tmp_path / "critic")
     peaks = {}
     for mode, extra in (("sharded", [tmp_path / "critic"]), ("whole", [])):
         proc = torchrun("tests/_load_worker.py", mid_model_dir, tmp_path / f"{mode}.json", mode, *extra,

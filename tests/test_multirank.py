@@ -5,7 +5,6 @@ are skipped otherwise (conftest.vllm_two_rank_env)."""
 import json
 
 import pytest
-
 from conftest import ROOT, run_script
 
 METRICS = ["reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", "interventions/mean"]
@@ -36,12 +35,12 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
-import parallel
+from infra import collectives
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 out = Path(sys.argv[1] if rank == 0 or len(sys.argv) == 2 else sys.argv[2])  # rank 1 may see another directory
 out.mkdir(parents=True, exist_ok=True)
-parallel.check_shared_out(out, rank, dist.get_world_size(), torch.device("cpu"))
+collectives.check_shared_out(out, rank, dist.get_world_size(), torch.device("cpu"))
 print(f"rank {{rank}} ok", flush=True)
 dist.destroy_process_group()
 """

@@ -1,14 +1,13 @@
-"""packing.py against independent computations: the padded batch through plain transformers (attention mask,
+"""infra/packing.py against independent computations: the padded batch through plain transformers (attention mask,
 full [B, L, V] log-softmax) for log-probs, entropies, values and gradients; a brute-force check of the token budget;
 2 ranks with very different sequence lengths against one rank holding both."""
 import pytest
 import torch
 
 import model as M
-import packing
-import parallel
 import rollout
 import train
+from infra import hf, packing, sharding
 
 
 def trajectories(seed=0, n=5):
@@ -46,7 +45,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_path(tiny_model_
     w = torch.randn(act.shape, generator=torch.Generator().manual_seed(1)) * act          # a loss on action tokens
     grads, got = [], []
     for path in ("packed", "padded"):
-        m = M.load_causal_lm(tiny_model_dir, attn_implementation=attn if path == "packed" else "eager").train()
+        m = hf.load_causal_lm(tiny_model_dir, attn_implementation=attn if path == "packed" else "eager").train()
         if path == "packed":
             logp, ent = M.token_logprobs(m, packing.pack(batch, torch.arange(5), "cpu"), 0.7, with_entropy=True,
                                          chunk_size=6)
@@ -71,7 +70,7 @@ def test_varlen_kernel_on_cuda_matches_the_padded_path_in_bf16(tiny_model_dir):
     resp = batch["response_mask"].bool().to(device)
     out = []
     for path in ("packed", "padded"):
-        m = M.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16,
+        m = hf.load_causal_lm(tiny_model_dir, dtype=torch.bfloat16,
                              attn_implementation="varlen" if path == "packed" else "sdpa").to(device)
         with torch.no_grad():
             if path == "packed":
@@ -89,7 +88,7 @@ def test_packed_values_equal_the_padded_path(tiny_model_dir):
         torch.nn.init.normal_(critic.value_head.weight, std=0.5)
         critic.value_head.bias.fill_(0.25)
         v = critic(packing.pack(batch, torch.arange(5), "cpu"))                               # [B, R]
-        plain = M.load_causal_lm(tiny_model_dir, attn_implementation="eager")
+        plain = hf.load_causal_lm(tiny_model_dir, attn_implementation="eager")
         plain.model.load_state_dict(critic.backbone.state_dict())
         _, _, hidden = padded_reference(plain, batch, 1.0)
         want = (hidden @ critic.value_head.weight[0] + 0.25) * batch["response_mask"]
@@ -138,7 +137,7 @@ def test_token_budget_on_two_uneven_ranks_takes_the_one_rank_step(tiny_model_dir
                         timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    base = dict(parallel.full_state_dict(M.load_causal_lm(tiny_model_dir)))
+    base = dict(sharding.full_state_dict(hf.load_causal_lm(tiny_model_dir)))
     moved = max((one["params"][n] - base[n]).abs().max().item() for n in base)
     diff = max((one["params"][n] - two["params"][n]).abs().max().item() for n in base)
     assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)

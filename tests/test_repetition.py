@@ -1,4 +1,4 @@
-"""repetition.py: scripted loops are found with their period, long real text that does not loop is not, and the
+"""infra/repetition.py: scripted loops are found with their period, long real text that does not loop is not, and the
 detector agrees with a plain re-implementation of its definition on random sequences with planted loops."""
 import random
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 import data
-from model import load_tokenizer
-from repetition import MIN_REPEATS, MIN_TOKENS, TOLERANCE, loop_period, repeated
+from infra.hf import load_tokenizer
+from infra.repetition import MIN_REPEATS, MIN_TOKENS, TOLERANCE, loop_period, repeated
 
 ROOT = Path(__file__).resolve().parents[1]
 

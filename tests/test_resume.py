@@ -11,17 +11,15 @@ import sys
 
 import pytest
 import torch
-
-import checkpoint
-import model as M
-import parallel
-from cli import write_atomic
 from conftest import CPU_ENV, ROOT, run_script
-from journal import Journal
-from logs import make_logger, read_metrics
 from test_faults import args, metrics, same_run
-from test_trust import actor_and_optimiser, trained as one_step  # noqa: F401 (a fixture: a one-step run)
+from test_trust import actor_and_optimiser
+from test_trust import trained as one_step  # noqa: F401 (a fixture: a one-step run)
 
+from eval_journal import Journal
+from infra import checkpoint, hf, weights
+from infra.cli import write_atomic
+from train_logs import make_logger, read_metrics
 
 # ----------------------------------------------------------------------------- pruning, latest, a same-numbered step
 
@@ -58,7 +56,7 @@ def test_pruning_keeps_the_newest_known_complete_and_all_it_must(tmp_path):
 def two_checkpoints(tiny_model_dir, out):
     with actor_and_optimiser(tiny_model_dir) as (actor, opt):
         for step in (1, 2):
-            checkpoint.save_checkpoint(out, step, {"actor": (actor, opt)}, M.load_tokenizer(tiny_model_dir),
+            checkpoint.save_checkpoint(out, step, {"actor": (actor, opt)}, hf.load_tokenizer(tiny_model_dir),
                                        {"run_id": "mine"}, export=False)
 
 
@@ -83,7 +81,7 @@ def test_a_same_numbered_step_is_written_over_only_when_it_is_this_runs_and_dama
     before = checkpoint.manifest(out / "step_000002")
     with actor_and_optimiser(tiny_model_dir) as (actor, opt):
         save = lambda run_id: checkpoint.save_checkpoint(  # noqa: E731
-            out, 2, {"actor": (actor, opt)}, M.load_tokenizer(tiny_model_dir), {"run_id": run_id}, export=False)
+            out, 2, {"actor": (actor, opt)}, hf.load_tokenizer(tiny_model_dir), {"run_id": run_id}, export=False)
         for run_id, why in (("mine", "is a complete checkpoint of this run"), ("another", "belongs to another run")):
             with pytest.raises(SystemExit):
                 save(run_id)
@@ -159,7 +157,7 @@ def test_no_write_follows_a_link_planted_in_out(tmp_path, capsys):
     assert "metrics.jsonl is a symbolic link: refusing to write through it" in capsys.readouterr().err
     (out / "journal").mkdir()
     (out / "journal" / "x.rank0.jsonl").symlink_to(outside)
-    from journal import slot
+    from eval_journal import slot
 
     (out / "journal" / f"{slot('x')}.rank0.jsonl").symlink_to(outside)
     with pytest.raises(SystemExit):
@@ -189,28 +187,28 @@ def test_weight_files_follow_the_index(tmp_path):
     d.mkdir()
     save_file({"a": torch.zeros(1)}, d / "model-00001-of-00002.safetensors")
     save_file({"b": torch.zeros(1)}, d / "model-00002-of-00002.safetensors")
-    (d / parallel.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+    (d / weights.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                                                "b": "model-00002-of-00002.safetensors"}}))
-    assert [p.name for p in parallel.weight_files(d)] == ["model-00001-of-00002.safetensors",
+    assert [p.name for p in weights.weight_files(d)] == ["model-00001-of-00002.safetensors",
                                                           "model-00002-of-00002.safetensors"]
     save_file({"a": torch.ones(1)}, d / "model.safetensors")  # a stale single file of an earlier save
     with pytest.raises(ValueError, match="model.safetensors is not in its model.safetensors.index.json"):
-        parallel.weight_files(d)
+        weights.weight_files(d)
     (d / "model.safetensors").unlink()
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="lists model-00002-of-00002.safetensors, which is missing"):
-        parallel.weight_files(d)
-    (d / parallel.INDEX).unlink()
+        weights.weight_files(d)
+    (d / weights.INDEX).unlink()
     save_file({"b": torch.zeros(1)}, d / "other.safetensors")
     with pytest.raises(ValueError, match="2 \\*.safetensors files .* and no model.safetensors.index.json"):
-        parallel.weight_files(d)
+        weights.weight_files(d)
 
 
 def test_steps_may_change_unless_they_move_the_warm_up(tmp_path, capsys):
     import argparse
     from types import SimpleNamespace
 
-    from trainer_setup import same_run
+    from train_setup import same_run
 
     flags = dict(steps=10, epochs=1, actor_warmup_ratio=0.0, critic_warmup_ratio=0.0, seed=0, out="a", allow_changed=[])
     run = SimpleNamespace(steps_per_epoch=100, world=1)
@@ -316,7 +314,7 @@ def test_eval_uses_an_export_only_as_its_manifest_says_it_was_written(one_step, 
     bare = tmp_path / "bare"  # a Hugging Face directory without a manifest: its index decides; a shard is missing
     shutil.copytree(ckpt / "actor", bare)
     (bare / "model.safetensors").rename(bare / "model-00001-of-00002.safetensors")
-    (bare / parallel.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+    (bare / weights.INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                                                   "b": "model-00002-of-00002.safetensors"}}))
     proc = evaluate(bare)
     err = proc.stderr.strip().splitlines()

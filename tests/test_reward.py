@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-import grading
 import reward
+from infra import grading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")

@@ -6,17 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_script
 
-import engines
-import lora
-import packing
 import ppo
 import rollout
-import vllm_internal
-from conftest import run_script
-from model import decoder_layers, load_causal_lm, make_tiny, token_logprobs
-from parallel import full_state_dict
-from trainer_setup import sync_engine
+from infra import engines, lora, packing, vllm_internal
+from infra.hf import decoder_layers, load_causal_lm
+from infra.sharding import full_state_dict
+from model import make_tiny, token_logprobs
+from train_setup import sync_engine
 
 MAX_LEN = 512  # engine context: small so that the context cap is cheap to reach
 
@@ -257,7 +255,7 @@ def moved(path, targets):
 
 def sleep_sync_wake(engine, trainer, path, prompts, iv):
     """train.py's cycle: the rollout's sleep, which destroys every weight on a CPU as a GPU's level 2 drops it (no
-    sampling until a sync), the step's sync (trainer_setup.sync_engine), the next generate -> (the gap to the
+    sampling until a sync), the step's sync (train_setup.sync_engine), the next generate -> (the gap to the
     trainer, the gap to the model the engine started from)."""
     engine.sleep()
     with pytest.raises(RuntimeError, match="sync_weights"):

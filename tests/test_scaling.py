@@ -100,8 +100,8 @@ def test_lora_parameter_count_equals_the_adapted_model(size):
     """lora_params from the config equals the trained numel of lora.adapt on transformers' Qwen2 (meta device)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import lora
-    from model import decoder_layers
+    from infra import lora
+    from infra.hf import decoder_layers
 
     cfg = scaling.SHAPES[size]
     with torch.device("meta"):

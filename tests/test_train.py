@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, VALIDATE, metrics, run_script, train_args
 
 pytestmark = pytest.mark.slow  # every test here starts train.py
@@ -116,7 +115,8 @@ def test_ranks_of_one_engine_that_decode_different_tokens_stop_in_one_line(three
 @pytest.mark.timeout(1000)
 def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir):
     from transformers import AutoModelForCausalLM
-    import engines
+
+    from infra import engines
 
     actor = three_steps / "step_000003" / "actor"
     trained = AutoModelForCausalLM.from_pretrained(actor, dtype=torch.float32)
@@ -138,13 +138,14 @@ def test_saved_actor_loads_in_transformers_and_vllm(three_steps, tiny_model_dir)
 CRASH_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})
-import parallel, train
-real_save_hf = parallel.save_hf
+import train
+from infra import hf_export
+real_save_hf = hf_export.save_hf
 def save_hf_then_die(model, tokenizer, path, *a, **k):
     real_save_hf(model, tokenizer, path, *a, **k)
     if "step_000002" in str(path):
         os._exit(9)  # the process dies half-way through writing checkpoint 2
-parallel.save_hf = save_hf_then_die  # what save_checkpoint calls
+hf_export.save_hf = save_hf_then_die  # what save_checkpoint calls
 train.main(sys.argv[1:])
 """
 

@@ -6,13 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
 import model as M
-import packing
-import parallel
 import reward
 import train
-import trainer_setup
+import train_setup
+from infra import checkpoint, collectives, hf, hf_export, packing, sharding
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--samples-per-prompt", "0"),
@@ -93,7 +91,7 @@ def test_grpo_advantages_ignore_the_kl():
 def one_rank_group():
     import torch.distributed as dist
 
-    parallel.init_distributed()
+    collectives.init_distributed()
     yield
     dist.destroy_process_group()
 
@@ -127,7 +125,7 @@ UPDATE_ARGS = dict(micro_batch_size=2, loss_agg="token-mean", clip_low=0.2, clip
 def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_rank_group, checkpointing):
     """--grad-checkpointing: each decoder layer runs forward twice per micro-batch (the recompute in
     backward), which only happens if the update puts the model in train mode; without it, once."""
-    actor = parallel.shard(M.load_causal_lm(tiny_model_dir), grad_checkpointing=checkpointing)
+    actor = sharding.shard(hf.load_causal_lm(tiny_model_dir), grad_checkpointing=checkpointing)
     calls, mlp = [], actor.model.layers[0].mlp
     real_forward = mlp.forward  # counted on the instance: forward hooks do not fire in the recompute
     mlp.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
@@ -140,11 +138,11 @@ def test_grad_checkpointing_recomputes_layers_in_the_update(tiny_model_dir, one_
 
 
 def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model_dir, one_rank_group, monkeypatch):
-    actor = parallel.shard(M.load_causal_lm(tiny_model_dir))
-    critic = parallel.shard(M.load_critic(tiny_model_dir))
+    actor = sharding.shard(hf.load_causal_lm(tiny_model_dir))
+    critic = sharding.shard(M.load_critic(tiny_model_dir))
     batch = update_batch(actor)
     batch.update(old_values=torch.zeros(4, 12), returns=torch.ones(4, 12))
-    before = {n: t.clone() for n, t in parallel.full_state_dict(actor)}
+    before = {n: t.clone() for n, t in sharding.full_state_dict(actor)}
     real = train.ppo.policy_loss
     monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     a_opt, c_opt = torch.optim.AdamW(actor.parameters(), lr=1e-3), torch.optim.AdamW(critic.parameters(), lr=1e-3)
@@ -152,7 +150,7 @@ def test_nonfinite_actor_update_is_skipped_and_the_critic_still_steps(tiny_model
                                       SimpleNamespace(**UPDATE_ARGS, value_clip=0.5), contextlib.nullcontext,
                                       device_of(actor))
     assert skipped == 1 and "loss/vf" in stats and stats["critic/grad_norm"] > 0
-    assert all(torch.equal(t, before[n]) for n, t in parallel.full_state_dict(actor))  # the actor did not move
+    assert all(torch.equal(t, before[n]) for n, t in sharding.full_state_dict(actor))  # the actor did not move
 
 
 def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model_dir, one_rank_group):
@@ -161,7 +159,7 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
     args = SimpleNamespace(**{**UPDATE_ARGS, "kl_kind": "k1"})
     params = []
     for reuse in (False, True):
-        actor = parallel.shard(M.load_causal_lm(tiny_model_dir))
+        actor = sharding.shard(hf.load_causal_lm(tiny_model_dir))
         batch = update_batch(actor)
         batch["rollout_logprobs"] = torch.full_like(batch["advantages"], -9.0)
         with torch.no_grad():
@@ -177,7 +175,7 @@ def test_reused_old_logprobs_give_the_same_step_as_a_separate_forward(tiny_model
         if reuse:  # the diagnostics the skipped pass would have given
             assert stats["kl/mean"] == pytest.approx(float((old - batch["ref_logprobs"]).mean()), abs=1e-4)
             assert stats["rollout/logprob_gap"] == pytest.approx(float((old + 9.0).abs().mean()), abs=1e-4)
-        params.append({n: t.clone() for n, t in parallel.full_state_dict(actor)})
+        params.append({n: t.clone() for n, t in sharding.full_state_dict(actor)})
     assert max((params[0][n] - params[1][n]).abs().max().item() for n in params[0]) < 1e-5
 
 
@@ -224,7 +222,7 @@ def scaled_by(a, b, factor):
 
 
 def test_rollout_is_leaves_an_on_policy_update_unchanged_and_corrects_a_gap(tiny_model_dir):
-    model = M.load_causal_lm(tiny_model_dir)
+    model = hf.load_causal_lm(tiny_model_dir)
     off, _ = actor_grads(model, actor_mb(model), rollout_is_cap=0.0)
     on, stats = actor_grads(model, actor_mb(model), rollout_is_cap=2.0)
     assert all(torch.equal(on[n], off[n]) for n in off)  # equal log-probs: every weight is exactly 1
@@ -248,7 +246,7 @@ def test_rollout_is_leaves_an_on_policy_update_unchanged_and_corrects_a_gap(tiny
 
 def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
     """grpo with one optimiser step per batch: pi_old is the update's own forward, the weights come from it."""
-    model = M.load_causal_lm(tiny_model_dir)
+    model = hf.load_causal_lm(tiny_model_dir)
     mb = actor_mb(model, gap=0.5)
     del mb["old_logprobs"]
     _, stats = actor_grads(model, mb, rollout_is_cap=2.0)
@@ -256,7 +254,7 @@ def test_rollout_is_with_reused_old_logprobs(tiny_model_dir):
 
 
 def test_resume_without_checkpoint_says_so(tmp_path, capsys):
-    assert trainer_setup.resume(None, SimpleNamespace(out=tmp_path, master=True)) is None
+    assert train_setup.resume(None, SimpleNamespace(out=tmp_path, master=True)) is None
     assert capsys.readouterr().out == f"[resume] no checkpoint in {tmp_path}: starting at step 0\n"
 
 
@@ -271,7 +269,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_nothing(tmp_path
         (path / "partial.bin").write_bytes(b"x" * 1000)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(parallel, "save_hf", writer_fails)
+    monkeypatch.setattr(hf_export, "save_hf", writer_fails)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 100_000, 100_000))
     with pytest.raises(SystemExit) as e:
         checkpoint.save_checkpoint(tmp_path, 3, {"actor": (None, None)}, None, {})

@@ -9,12 +9,10 @@ import shutil
 
 import pytest
 import torch
-
-import checkpoint
-import model as M
-import parallel
 from conftest import CPU_ENV, run_script
 from test_faults import args
+
+from infra import checkpoint, collectives, hf, weights
 
 pytestmark = pytest.mark.slow  # train.py runs
 
@@ -101,9 +99,9 @@ def actor_and_optimiser(model_dir):
     (GRPO)."""
     import torch.distributed as dist
 
-    parallel.init_distributed()
+    collectives.init_distributed()
     try:
-        actor = parallel.load_sharded(functools.partial(M.load_causal_lm, model_dir), model_dir, torch.device("cpu"))
+        actor = weights.load_sharded(functools.partial(hf.load_causal_lm, model_dir), model_dir, torch.device("cpu"))
         opt = torch.optim.AdamW(actor.parameters(), lr=1e-4, foreach=True)
         torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # it adds initial_lr to the param groups
         yield actor, opt
@@ -122,7 +120,7 @@ def test_a_callable_in_an_optimiser_entry_is_refused_unrun(trained, tiny_model_d
             state = checkpoint.load_checkpoint(ckpt, {"actor": (actor, opt)})  # the real one loads, runs nothing
             opt.param_groups[0]["lr"] = Payload(marker)
             shutil.rmtree(ckpt)
-            checkpoint.save_checkpoint(ckpt.parent, 1, {"actor": (actor, opt)}, M.load_tokenizer(tiny_model_dir), state)
+            checkpoint.save_checkpoint(ckpt.parent, 1, {"actor": (actor, opt)}, hf.load_tokenizer(tiny_model_dir), state)
         assert not marker.exists()  # saving pickles the payload; it runs only when loaded
     out = crafted_copy(trained, tmp_path, rewrite)
     resume_refused(out, tiny_model_dir, marker, "entry actor.optim.param_groups.0.lr is not plain data")
@@ -154,7 +152,7 @@ def test_every_file_and_directory_is_fsynced_before_its_rename(tiny_model_dir, t
                         or real_fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a), str(b))) or real_replace(a, b))
     with actor_and_optimiser(tiny_model_dir) as (actor, opt):
-        checkpoint.save_checkpoint(tmp_path, 1, {"actor": (actor, opt)}, M.load_tokenizer(tiny_model_dir), {},
+        checkpoint.save_checkpoint(tmp_path, 1, {"actor": (actor, opt)}, hf.load_tokenizer(tiny_model_dir), {},
                                    export=True)
     final, tmp = tmp_path / "step_000001", str(tmp_path / "step_000001.tmp")
     rename = events.index(("replace", tmp, str(final)))

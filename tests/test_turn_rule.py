@@ -5,10 +5,10 @@ so each case below -- answer in a budget cut, answerless EOS, two answers, no an
 exactly as written instead of whenever a random model happens to produce it."""
 import pytest
 
-import engines
 import reward
 import rollout
-from model import load_tokenizer
+from infra import engines
+from infra.hf import load_tokenizer
 
 EOS = 2  # <|im_end|>
 ALT_EOS = 0  # <|endoftext|>: a second end-of-turn id, as in Qwen2.5 / Llama 3 generation configs

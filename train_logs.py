@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import fsync_path
-from cli import die, no_link, write_atomic
-from packing import padding_counts
-from parallel import all_reduce_dict
-from perf import forward_flops, training_flops
+from infra.checkpoint import fsync_path
+from infra.cli import die, no_link, write_atomic
+from infra.collectives import all_reduce_dict
+from infra.packing import padding_counts
+from infra.perf import forward_flops, training_flops
+from infra.system import peak_rss_gb
 from rollout import trajectory_sums
-from system import peak_rss_gb
 
 
 @contextmanager
@@ -81,7 +81,7 @@ def step_metrics(run, args, step, trajs, batch, results, kl, old_logprobs, stats
 
 
 def phase_flops(run, args, batch):
-    """This rank's model FLOPs (perf.py) of the step's no-grad passes (reference, old log-probs unless the update
+    """This rank's model FLOPs (infra/perf.py) of the step's no-grad passes (reference, old log-probs unless the update
     supplies them, values) and of its update (actor and critic, forward + backward, every PPO epoch)."""
     seq = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)                        # [B]
     resp = batch["response_mask"].sum(1)                                                    # [B]

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from cli import die
-
+from infra.cli import die
 
 # ----------------------------------------------------------------------------- compute dtype
 
@@ -129,7 +128,7 @@ VLLM_NOISE = (
     "doesn't allow to use `torch.set_num_threads`",    # rollout.py gives the trainer set_num_threads back
     "Passing raw prompts to InputProcessor is deprecated",
     "into parameter with dtype",                       # fp32 master weights (or checkpoint) cast to the engine dtype
-    "does not officially support disabling chunked prefill",  # engines.py on CPU: seeded requests need it off
+    "does not officially support disabling chunked prefill",  # infra/engines.py on CPU: seeded requests need it off
 )
 
 
@@ -202,3 +201,32 @@ def keep_freed_memory(device=None):
 def peak_rss_gb():
     """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def engine_memory_error(when, need, free, total, trainer, utilization, peak=0):
+    """The engine's memory guard, pure arithmetic on bytes -> None when vLLM's `need` + `peak` fit in `free`, else the
+    one line to die with (the numbers in GiB and the flag to change), instead of a CUDA traceback later.
+      when="start": vLLM 0.32 reserves gpu_memory_utilization x TOTAL device memory (not x free) and refuses to
+        start unless that much is free (v1/worker/utils.py, request_memory), whatever the trainer already holds:
+        need = ceil(utilization x total).
+      when="wake": need = what the engine's sleep freed and waking maps back (weights and KV cache, measured);
+        peak = the activation peak vLLM profiled at start-up and sized its KV cache around (v1/worker/gpu_worker.py,
+        peak_activation_memory): generate allocates it through PyTorch's allocator, outside the sleep pools; or,
+        when larger, what the weight sync holds while the weights wake (engines.VLLMEngine.sync_peak). Both
+        against what is free once PyTorch's cache is emptied: by then the trainer also holds gradients and Adam
+        state, which the start-up check never saw.
+    trainer: bytes PyTorch holds in this process (for the message). --grad-checkpointing is no remedy at either
+    point: it lowers the update's activation peak, which is freed before both checks."""
+    if need + peak <= free:
+        return None
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    held = (f"only {gib(free)} of {gib(total)} is free (this trainer holds {gib(trainer)}, other processes "
+            f"{gib(max(total - free - trainer, 0))})")
+    fits = int(free / total * 100) / 100  # the largest share that would pass vLLM's start-up check now
+    lower = f"lower --gpu-memory-utilization to {fits:.2f} or less" if fits >= 0.01 else "free the device"
+    if when == "start":
+        return (f"vLLM cannot start: --gpu-memory-utilization {utilization:g} x {gib(total)} = {gib(need)} must be "
+                f"free, but {held}: {lower} (a smaller KV cache), or pass --offload (the trainer's weights on the CPU)")
+    return (f"vLLM cannot wake up: its weights and KV cache need {gib(need)} and its weight sync or forward passes up to "
+            f"{gib(peak)} more, but {held}: pass --offload (parameters, gradients and Adam state on the CPU), or "
+            f"lower --gpu-memory-utilization from {utilization:g} (a smaller KV cache)")

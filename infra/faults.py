@@ -27,9 +27,9 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from cli import error_line
-from engines import RolloutTimeout, SyncIncomplete
-from parallel import RanksDisagree, group_any, wait_for_keys
+from infra.cli import error_line
+from infra.collectives import RanksDisagree, group_any, wait_for_keys
+from infra.engines import RolloutTimeout, SyncIncomplete
 
 ARRIVE = "mutis/arrive"  # store keys ARRIVE/<boundary number>/<rank>: a rank's arrival and its SIGTERM flag
 PREEMPTED = 143  # 128 + SIGTERM: schedulers and torchrun requeue / restart on a non-zero exit
@@ -55,7 +55,7 @@ class Guard:
         self.writing = False                # a checkpoint is being written: the watchdog lets it finish
         self.done = threading.Event()       # the orderly exit is complete
         self._interruptible, self._seq = False, 0
-        # the group's store: its own for each torchrun restart (parallel.attempt_store), no stale arrivals
+        # the group's store: its own for each torchrun restart (collectives.attempt_store), no stale arrivals
         self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         read, self._write = os.pipe()

@@ -120,10 +120,10 @@ def merged_weights(model, dtype):
     part (q/k/v into qkv_proj, gate/up into gate_up_proj) from uninitialised memory; in this order each layer
     completes before the next one starts. Every rank must iterate (gathers are collectives). FSDP2 shards W [out, in]
     and B [out, r] alike along `out`, so each rank merges its own rows with the gathered A [r, in] and one gather in
-    the engine's dtype follows. --offload: CPU shards move to the mesh's device first (parallel.on_mesh_device)."""
+    the engine's dtype follows. --offload: CPU shards move to the mesh's device first (sharding.on_mesh_device)."""
     from torch.distributed.tensor import DTensor
 
-    from parallel import gathered, on_mesh_device, state_tensors  # (parallel imports this module)
+    from infra.sharding import gathered, on_mesh_device, state_tensors  # (parallel imports this module)
 
     def local(t):
         return on_mesh_device(t.detach()) if isinstance(t, DTensor) else t.detach()

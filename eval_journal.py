@@ -20,8 +20,8 @@ import os
 import re
 from pathlib import Path
 
-from cli import die, no_link, write_atomic
-from engines import Completion
+from infra.cli import die, no_link, write_atomic
+from infra.engines import Completion
 
 
 def slot(name):

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-import parallel
-from cli import die
+from infra import collectives, hf_export
+from infra.cli import die
 
 MANIFEST = "manifest.json"
 
@@ -58,9 +58,9 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
     over only when it is this run's (trainer_state's run_id) and damaged; otherwise one line, nothing written.
     keep_last: prune this run's older checkpoints (prune: `complete`, the steps this process knows to be complete,
     and `resumed`, the step it resumed from). Every rank calls it."""
-    out, rank = Path(out), parallel._rank()
+    out, rank = Path(out), collectives.current_rank()
     final, tmp = out / f"step_{step:06d}", out / f"step_{step:06d}.tmp"
-    if why := parallel.broadcast_object(_occupied(final, trainer_state.get("run_id"), step == resumed)
+    if why := collectives.broadcast_object(_occupied(final, trainer_state.get("run_id"), step == resumed)
                                         if rank == 0 else None):
         die(why)
     if rank == 0:
@@ -68,14 +68,14 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
             tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    parallel.barrier()
+    collectives.barrier()
     try:
         if export:
             adapters = trainer_state.get("lora")  # LoRA: the merged model, and the adapters in PEFT's layout
-            parallel.save_hf(models["actor"][0], tokenizer, tmp / "actor",
+            hf_export.save_hf(models["actor"][0], tokenizer, tmp / "actor",
                              **dict(adapter_dir=tmp / "adapter", base=adapters["base"]) if adapters else {})
             if "critic" in models:
-                parallel.save_critic(models["critic"][0], tmp / "critic")
+                hf_export.save_critic(models["critic"][0], tmp / "critic")
         sharded = {name: _trained_state(m, o) for name, (m, o) in models.items()}
         # one file per writer thread: serialising and writing ~12 bytes per parameter is most of a preemption's grace
         writer = _HashingWriter(str(tmp / "sharded"), thread_count=min(8, torch.get_num_threads()))
@@ -86,7 +86,7 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
     except (OSError, RuntimeError):
         disk_full_error(out, step, tmp)
         raise
-    parallel.barrier()
+    collectives.barrier()
     if rank == 0:
         files = {"trainer_state.json": write_durable(tmp / "trainer_state.json",
                                                      json.dumps(dict(trainer_state, step=step), indent=1))}
@@ -113,7 +113,7 @@ def save_checkpoint(out, step, models, tokenizer, trainer_state, keep_last=None,
         shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             prune(out, keep_last, trainer_state.get("run_id"), {*complete, step}, {step, resumed})
-    parallel.barrier()
+    collectives.barrier()
     return final
 
 
@@ -176,10 +176,10 @@ def _trained_state(model, optim):
 def base_digests(model_dir):
     """{file: [size, sha256]} of a model directory's weights and config: what a LoRA checkpoint records of its frozen
     base. Every rank calls it and hashes every world-th file."""
-    rank, world = parallel._rank(), parallel._world()
+    rank, world = collectives.current_rank(), collectives.current_world_size()
     files = sorted(p for p in Path(model_dir).iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
     mine = {p.name: file_digest(p) for p in files[rank::world]}
-    return dict(sorted(item for part in parallel.all_gather_object(mine) for item in part.items()))
+    return dict(sorted(item for part in collectives.all_gather_object(mine) for item in part.items()))
 
 
 def run_of(ckpt):
@@ -369,7 +369,7 @@ def find_resumable(out, log=print):
     verifying every byte of each candidate. A checkpoint written before manifests (no manifest.json, but its
     trainer_state and metadata) is taken unverified, with a line saying so. None verifies: one line, exit 2, and
     nothing is deleted."""
-    out, rank, world = Path(out), parallel._rank(), parallel._world()
+    out, rank, world = Path(out), collectives.current_rank(), collectives.current_world_size()
     names = None
     if rank == 0:
         latest = (out / "latest").resolve() if (out / "latest").exists() else None  # (absolute: compared as such,
@@ -379,7 +379,7 @@ def find_resumable(out, log=print):
         names = [(c.name, "manifest" if (c / MANIFEST).exists() else
                   "old" if (c / "trainer_state.json").exists() and (c / "sharded" / ".metadata").exists() else "none")
                  for c in candidates]
-    names = parallel.broadcast_object(names)
+    names = collectives.broadcast_object(names)
     if not names:
         return None
     for name, kind in names:
@@ -387,7 +387,7 @@ def find_resumable(out, log=print):
         if kind == "old":
             log(f"[resume] {ckpt} has no {MANIFEST} (written before checkpoints had one): loading it unverified")
             return ckpt
-        reasons = parallel.all_gather_object(damage(ckpt, rank, world) if kind == "manifest" else f"no {MANIFEST}")
+        reasons = collectives.all_gather_object(damage(ckpt, rank, world) if kind == "manifest" else f"no {MANIFEST}")
         why = next((r for r in reasons if r is not None), None)
         if why is None:
             size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
@@ -493,5 +493,5 @@ def load_checkpoint(path, models):
         set_state_dict(m, o, model_state_dict=sharded[name]["model"], optim_state_dict=sharded[name]["optim"],
                        options=_trained_only(m))
     old_world = len(list(path.glob("rng_rank*.json")))
-    set_rng_states(json.loads((path / f"rng_rank{parallel._rank() % old_world}.json").read_text()))
+    set_rng_states(json.loads((path / f"rng_rank{collectives.current_rank() % old_world}.json").read_text()))
     return json.loads((path / "trainer_state.json").read_text())

@@ -78,8 +78,10 @@ def _zygote(judge, warmup):
     if _ZYGOTE and _ZYGOTE["proc"].poll() is None:
         return _ZYGOTE["sock"]
     ours, theirs = socket.socketpair()  # not inherited by other children: EOF when we die
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import grading; "
+    # the judge's module is imported from where the caller has it, and this module from above its package
+    paths = [os.path.dirname(os.path.abspath(sys.modules[judge.split(":")[0]].__file__)),
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    code = (f"import sys; sys.path[:0] = {paths!r}; from infra import grading; "
             f"grading._zygote_main({theirs.fileno()}, {judge!r}, {warmup!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                             start_new_session=True)  # own process group, out of reach of the terminal's ^C
@@ -91,7 +93,7 @@ def _zygote(judge, warmup):
         ready = b""
     if ready != b"r":
         proc.kill()
-        raise RuntimeError(f"grading.py: the {judge} worker failed to start (is math-verify installed? "
+        raise RuntimeError(f"infra/grading.py: the {judge} worker failed to start (is math-verify installed? "
                            "see its traceback above)")
     _ZYGOTE.update(proc=proc, sock=ours)
     return ours
@@ -115,7 +117,7 @@ def _start(judge, warmup, retry=True):
         _ZYGOTE["proc"].kill()
         if retry:
             return _start(judge, warmup, retry=False)
-        raise RuntimeError(f"grading.py: the {judge} worker keeps dying")
+        raise RuntimeError(f"infra/grading.py: the {judge} worker keeps dying")
     pid = int.from_bytes(reply, "little")
     return {"pid": pid, "send": Connection(w1, readable=False), "recv": Connection(r2, writable=False)}
 

@@ -16,18 +16,19 @@ import numpy as np
 import torch
 
 import data as data_lib
-import engines
-import lora
 import ppo
 import rollout
-from cli import die, write_atomic
-from model import (check_attn_implementation, compile_model, compiler_missing, decoder_layers, end_of_turn_ids,
-                   load_causal_lm, load_critic, load_tokenizer, refuse_unsupported, resolve_model)
-from checkpoint import base_digests, find_resumable, load_checkpoint
-from logs import METRICS, read_metrics
-from parallel import barrier, check_shared_out, full_state_dict, init_distributed, load_sharded
-from perf import model_shape, peak_tflops
-from system import choose_dtype, keep_freed_memory, trainer_threads
+from infra import engines, lora
+from infra.checkpoint import base_digests, find_resumable, load_checkpoint
+from infra.cli import die, write_atomic
+from infra.collectives import barrier, check_shared_out, init_distributed
+from infra.hf import check_attn_implementation, decoder_layers, load_causal_lm, load_tokenizer, refuse_unsupported
+from infra.perf import model_shape, peak_tflops
+from infra.sharding import full_state_dict
+from infra.system import choose_dtype, keep_freed_memory, trainer_threads
+from infra.weights import load_sharded
+from model import compile_model, compiler_missing, end_of_turn_ids, load_critic, resolve_model
+from train_logs import METRICS, read_metrics
 
 
 def setup(args):
@@ -140,7 +141,7 @@ def load_data(args, run):
 
 def load_models(args, run):
     """Actor, frozen reference, critic (gae only): fp32 master weights, FSDP2-sharded; optimisers, LR schedules,
-    the KL controller. --lora-rank: adapters on a frozen base instead (lora.py), and no reference model: the
+    the KL controller. --lora-rank: adapters on a frozen base instead (infra/lora.py), and no reference model: the
     reference is the actor with its adapters off (run.ref is None)."""
     mp = torch.bfloat16 if (args.dtype == "bfloat16" and run.device.type == "cuda") else None
     kw = dict(mixed_precision=mp, offload=args.offload)
@@ -203,7 +204,7 @@ def adapter_init(args):
 
 
 def sync_engine(run):
-    """The actor into the engine: every tensor the engine loads, in its dtype (parallel.full_state_dict; with LoRA the
+    """The actor into the engine: every tensor the engine loads, in its dtype (sharding.full_state_dict; with LoRA the
     base with each adapted layer merged, lora.merged_weights). A sync that leaves any engine weight unloaded raises
     engines.SyncIncomplete naming the weight, --model and the flags that chose what was sent."""
     if run.lora:

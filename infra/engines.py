@@ -15,11 +15,10 @@ from collections import namedtuple
 
 import torch
 
-from cli import die
-from model import engine_memory_error, load_causal_lm, load_tokenizer
-from system import choose_dtype, default_device
-from vllm_internal import vllm_internal
-
+from infra.cli import die
+from infra.hf import load_causal_lm, load_tokenizer
+from infra.system import choose_dtype, default_device, engine_memory_error
+from infra.vllm_internal import vllm_internal
 
 # token_ids/logprobs: lists for one completion; stopped: ended on EOS or a stop string (else: length cap)
 Completion = namedtuple("Completion", "token_ids logprobs stopped")
@@ -49,7 +48,7 @@ def _check_deadline(deadline, timeout, done, total, group=None):
         return
     late = time.monotonic() > deadline
     if group is not None:
-        from parallel import group_any
+        from infra.collectives import group_any
 
         late = group_any(late, group)
     if late:
@@ -110,10 +109,10 @@ def needed_tensors(model_path, tied):
     """{HF name: shape}: what every weight sync into an engine started from `model_path` must send, since a sleep
     (level 2 on a GPU; engines.VLLMEngine.sleep on a CPU) discards every weight, and vLLM rebuilds a fused layer
     (q/k/v, gate/up) it receives in part from uninitialised memory: every tensor of the model's safetensors files
-    (parallel.weight_files: the index's, when there is one), less what vLLM never loads from a checkpoint (rotary
+    (weights.weight_files: the index's, when there is one), less what vLLM never loads from a checkpoint (rotary
     caches, computed from the config; a tied lm_head, which is the embedding). None where the weights are no local safetensors files (a hub
     id): vLLM's own "not loaded" warnings, and on a CPU the discarded weights, still stop an incomplete sync."""
-    from parallel import safetensors_index, weight_files
+    from infra.weights import safetensors_index, weight_files
 
     try:
         files = weight_files(model_path)
@@ -202,7 +201,7 @@ class VLLMEngine:
             # the same scheduler on its share of the weights: the group's calls must match, step by step. Their
             # sampling must too (one seed per group, the caller's), else tokens differ between the ranks and vLLM
             # goes on silently with garbled text: each call's tokens are compared (_agree).
-        from parallel import engine_group
+        from infra.collectives import engine_group
 
         self.members, self.group = engine_group(tp) if distributed else ([0], None)
         if self.on_cpu and tp > 1:
@@ -306,8 +305,8 @@ class VLLMEngine:
 
     def _agree(self, completions):
         """The ranks of this engine compare a hash of the tokens they decoded in this call: raise
-        parallel.RanksDisagree naming the ranks that differ from the group's first."""
-        from parallel import RanksDisagree, group_gather_int
+        collectives.RanksDisagree naming the ranks that differ from the group's first."""
+        from infra.collectives import RanksDisagree, group_gather_int
 
         h = hashlib.blake2b(digest_size=8)
         for c in completions:
@@ -358,7 +357,7 @@ class VLLMEngine:
         return torch.cuda.mem_get_info()[0]
 
     def _check_memory(self, when, need, peak=0):
-        """Die in one line (model.engine_memory_error) when vLLM's `need` + `peak` bytes are not free, before it
+        """Die in one line (engine_memory_error) when vLLM's `need` + `peak` bytes are not free, before it
         fails with a bare CUDA out-of-memory error."""
         self._empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -401,7 +400,7 @@ class VLLMEngine:
             self._empty_cache()
 
     def sync_weights(self, named_tensors):
-        """Load full (name, tensor) pairs in HF checkpoint names, e.g. parallel.full_state_dict(...) (a generator:
+        """Load full (name, tensor) pairs in HF checkpoint names, e.g. sharding.full_state_dict(...) (a generator:
         each full tensor is gathered, loaded and dropped in turn; in the model's order, so that each layer completes
         before the next one starts). An engine that dropped its weights wakes them only (empty PyTorch's cache,
         check the memory, wake, load, empty the cache again: the gathered tensors); the KV cache stays asleep until
