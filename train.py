@@ -185,7 +185,7 @@ def check_args(args):
 def main(argv=None):
     args = parse_args(argv)
     quiet_logs(args.verbose)
-    run = setup(args)  # process group, dtypes, data, models, engine; every rank
+    run = setup(args)  # process group, dtypes, data, models, engine -> train_setup.Run; every rank
     state = resume(args, run) if args.resume else None  # the checkpoint's trainer state; None: a fresh run
     guard = faults.Guard(run.rank, run.world, args.dist_timeout, args.shutdown_grace,  # SIGTERM, hung ranks
                          engine_group=run.engine.group)

@@ -9,8 +9,9 @@ import random
 import shutil
 import uuid
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,10 +32,49 @@ from model import compile_model, compiler_missing, end_of_turn_ids, load_critic,
 from train_logs import METRICS, read_metrics
 
 
+@dataclass(slots=True)  # an attribute not declared here is an error
+class Run:
+    """The state train.py's loop hands from step to step, declared once (setup fills it; resume updates the last five)."""
+    rank: int                        # this process's rank
+    world: int                       # the number of ranks
+    device: torch.device             # this rank's device (cuda:LOCAL_RANK, or the CPU)
+    master: bool                     # rank 0: the one that prints, logs and writes checkpoints
+    out: Path                        # --out
+    mini_size: int = 0               # trajectories per optimiser step, over all ranks
+    reuse_old: bool = False          # the old log-probs are the update's own forward's (grpo, one step per batch)
+    autocast: Any = None             # () -> the compute dtype's autocast context (bf16) or a null context
+    model_path: str = ""             # --model resolved to a directory (or a hub id)
+    tokenizer: Any = None            # the model's tokenizer
+    train_records: list = None       # --data's records
+    val_records: list = None         # --val-data's records ([] without validation)
+    train_prompts: list = None       # their prompt ids, tokenised up front
+    val_prompts: list = None
+    steps_per_epoch: int = 0         # batches in one pass over --data
+    total_steps: int = 0             # --steps, or --epochs passes
+    actor: Any = None                # the policy, FSDP2-sharded (with LoRA adapters under --lora-rank)
+    ref: Any = None                  # the frozen reference policy (None under LoRA: the actor with adapters off)
+    critic: Any = None               # the value model (gae only)
+    actor_opt: Any = None            # AdamW over the actor's trainable parameters
+    critic_opt: Any = None
+    schedulers: list = None          # the LR schedules: actor's, then critic's
+    kl_ctl: Any = None               # the KL coefficient's controller (ppo.FixedKLController or AdaptiveKLController)
+    lora: dict = None                # what a checkpoint records of the adapters and their frozen bases (None: none)
+    intervention_ids: list = None    # the intervention text's token ids
+    engine: Any = None               # the colocated rollout engine (infra/engines.py)
+    eos_ids: list = None             # every token id that ends a turn
+    flops: dict = None               # model shapes for the FLOP counts ("actor", "critic")
+    peak_tflops: float = None        # the device's bf16 peak (for MFU), None where unknown
+    run_id: str = ""                 # this run's id, kept across resumes (checkpoints of other runs are not pruned)
+    on_disk: int = None              # the newest step saved as a checkpoint
+    exported: bool = True            # whether that checkpoint has its actor/ export (a SIGTERM's has not)
+    complete: set = field(default_factory=set)  # checkpoints this process wrote or verified (--keep-last counts them)
+    resumed_from: int = None         # the step resumed from, never pruned by this process
+
+
 def setup(args):
     """Process group, dtypes, data (tokenised and checked up front), models and the colocated engine -> run."""
     rank, world, local_rank, device = init_distributed(timeout=args.dist_timeout)
-    run = SimpleNamespace(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
+    run = Run(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
     threads = trainer_threads(args.cpu_threads)  # before the engine may narrow this process's CPU affinity
     keep_freed_memory(device)
     check_attn_implementation(args.attn_implementation, device)
@@ -63,8 +103,7 @@ def setup(args):
         run.out.mkdir(parents=True, exist_ok=True)
     check_shared_out(run.out, rank, world, device)
     claim_out(args, run)
-    run.run_id, run.on_disk, run.exported = uuid.uuid4().hex, None, True  # (resume: the checkpoint's run)
-    run.complete, run.resumed_from = set(), None  # checkpoints this process wrote or verified (--keep-last)
+    run.run_id = uuid.uuid4().hex  # (resume: the checkpoint's run)
     args.dtype, dtype_why = choose_dtype(args.dtype, device)
     args.engine_dtype, engine_dtype_why = choose_dtype(args.engine_dtype, device, engine=args.engine)
     if run.master:
@@ -79,11 +118,8 @@ def setup(args):
     args.max_response_tokens = rollout.sample_kwargs(args, run.intervention_ids)["max_response_tokens"]
     longest_prompt = max(len(p) for p in run.train_prompts + run.val_prompts)
     # one seed on every rank: a tensor-parallel engine's ranks sample alike (the requests carry their own seeds)
-    run.engine = engines.make_engine(run.model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
-                                     gpu_memory_utilization=args.gpu_memory_utilization,
-                                     max_model_len=longest_prompt + args.max_response_tokens,
-                                     enforce_eager=args.enforce_eager, distributed=world > 1, tp=args.engine_tp,
-                                     attn_implementation=args.attn_implementation)  # every rank, after the group
+    run.engine = engines.engine_from_flags(args, run.model_path, longest_prompt + args.max_response_tokens,
+                                           distributed=world > 1)  # every rank, after the group
     torch.set_num_threads(threads)  # the engine set its own count (vLLM's GPU worker: one thread)
     run.eos_ids = end_of_turn_ids(run.model_path, run.tokenizer)
     run.flops = {"actor": model_shape(run.actor), **({"critic": model_shape(run.critic)} if run.critic else {})}

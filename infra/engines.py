@@ -568,3 +568,13 @@ def make_engine(model_path, kind="vllm", dtype="auto", seed=0, gpu_memory_utiliz
         return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                         attn_implementation=attn_implementation)
     raise ValueError(f"unknown engine kind {kind!r} (vllm|hf)")
+
+
+def engine_from_flags(args, model_path, max_model_len, distributed):
+    """The engine train.py, eval.py and rollout.py build from their shared engine flags (--engine, --engine-dtype,
+    --seed, --gpu-memory-utilization, --enforce-eager, --engine-tp, --attn-implementation) for `model_path`, with room
+    for max_model_len tokens; distributed: under torchrun with more than one rank."""
+    return make_engine(model_path, kind=args.engine, dtype=args.engine_dtype, seed=args.seed,
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_model_len,
+                       enforce_eager=args.enforce_eager, attn_implementation=args.attn_implementation,
+                       distributed=distributed, tp=args.engine_tp)

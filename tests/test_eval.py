@@ -11,6 +11,7 @@ import pytest
 from conftest import run_script, write_jsonl
 
 import eval as ev
+import eval_report
 
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -28,7 +29,7 @@ def test_pass_at_k_matches_enumeration():
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(correct, k))
                 brute = Fraction(sum(any(s) for s in subsets), len(subsets))
-                assert ev.pass_at_k(n, c, k) == pytest.approx(float(brute), abs=1e-12), (n, c, k)
+                assert eval_report.pass_at_k(n, c, k) == pytest.approx(float(brute), abs=1e-12), (n, c, k)
 
 
 # ----------------------------------------------------------------------------- --score
@@ -290,7 +291,7 @@ def test_budget_truncation_equals_generation_at_budget(smollm2_dir, smol_engine)
                     assert a[key] == r[key], key
     assert seen == {True, False}  # the check saw both verdicts
     # summary numbers == recomputation from the samples
-    stats = ev.summarize([{**s, "checkpoint": "c"} for s in cut20], [48], False)["c"]["gsm8k"]
+    stats = eval_report.summarize([{**s, "checkpoint": "c"} for s in cut20], [48], False)["c"]["gsm8k"]
     assert stats["accuracy"] == pytest.approx(sum(s["correct"] for s in cut20) / 3) and stats["accuracy"] > 0
     assert stats["budget_accuracy"]["48"] == pytest.approx(sum(s["budget_correct"]["48"] for s in cut20) / 3)
 
@@ -316,7 +317,7 @@ def test_budget_truncation_with_interventions(smollm2_dir, smol_engine):
             assert at["decoded"] == sum(n for _, n in sh["_spans"]), b  # what that run's engine decoded
             assert lg["response_ids"][:at["end"]] == sh["response_ids"] and at["text"] == sh["_full_text"]
     scored = ev.score_generated([dict(s) for s in long], gen_args(max_response_tokens=8 + iv + 8, budgets=budgets, **args), tok)
-    stats = ev.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
+    stats = eval_report.summarize([{**s, "checkpoint": "c"} for s in scored], budgets, True)["c"]["gsm8k"]
     assert stats["mean_turns"] == 2.0 and stats["n"] == 2
 
 

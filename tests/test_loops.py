@@ -153,7 +153,7 @@ def test_validation_and_multi_turn_eval_count_what_the_cut_dropped(answer_loop_m
             assert (s["decoded_tokens"], s["kept_tokens"], s["intervention_tokens"]) == (24, 4, 0)
             assert s["repeated"] and s["repeated_after_answer"] and not s["truncated"]
             assert s["response_text"].startswith("Answer: 7\n\nAnswer: 7")  # what was decoded, the cut tail too
-        stats = ev.summarize([{**s, "checkpoint": "looper"} for s in scored], [12], True)["looper"]["arith_test"]
+        stats = eval_report.summarize([{**s, "checkpoint": "looper"} for s in scored], [12], True)["looper"]["arith_test"]
         assert (stats["decoded_tokens"], stats["kept_tokens"], stats["repeated_after_answer"]) == (24, 4, 1.0)
         assert "| looper | arith_test | 24.0 | 4.0 | 0.0 |" in eval_report.markdown({"looper": {"arith_test": stats}}, [12])
     finally:
