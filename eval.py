@@ -424,11 +424,12 @@ def main(argv=None):
 
         close_distributed()  # (the hf engine's group; vLLM's shutdown already ended it)
     if ev.rank == 0:
-        report(ev, args)
+        report(ev)
 
 
-def report(ev, args):
+def report(ev):
     """samples.jsonl, summary.json, summary.md and budget.png in --out, then the timings."""
+    args = ev.args
     samples = [s for name in ev.paths for s in ev.samples[name]]
     for s in samples:
         del s["_index"]
