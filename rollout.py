@@ -31,7 +31,7 @@ from infra.collectives import RanksDisagree, gather_to_first, init_distributed
 from infra.engines import RolloutTimeout, check_tensor_parallel, engine_from_flags
 from infra.hf import load_tokenizer
 from infra.repetition import repeated
-from infra.system import choose_dtype, keep_freed_memory, quiet_logs
+from infra.system import choose_dtype, exit_without_teardown, keep_freed_memory, quiet_logs
 from model import end_of_turn_ids, resolve_model
 from reward import find_answer  # one answer detector for the turn rule and the reward
 
@@ -473,3 +473,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # the outputs are written: skip the interpreter's 2-second teardown

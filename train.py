@@ -42,7 +42,7 @@ from infra.cli import ArgumentParser, deprecated, die, positive_int
 from infra.collectives import all_reduce_dict, all_reduce_sum, barrier, close_distributed
 from infra.packing import forward_pass, micro_batches, pack
 from infra.sharding import reshard
-from infra.system import quiet_logs
+from infra.system import exit_without_teardown, quiet_logs
 from model import token_logprobs
 from train_logs import format_line, format_tokens, make_logger, report, step_metrics, sync_metrics, timed
 from train_setup import logged_validations, models_and_optimisers, resume, setup, sync_engine, trainer_state
@@ -561,3 +561,4 @@ def validation_metrics(run, sums):
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # the outputs are written: skip the interpreter's 2-second teardown

@@ -118,3 +118,6 @@ engines.HFEngine.generate = inside_generate(engines.HFEngine.generate)
 engines.VLLMEngine.generate = inside_generate(engines.VLLMEngine.generate)
 engines.VLLMEngine._agree = agree
 train.main(sys.argv[2:])
+from infra.system import exit_without_teardown  # noqa: E402
+
+exit_without_teardown()  # as train.py ends

@@ -65,3 +65,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from infra.system import exit_without_teardown
+
+    exit_without_teardown()  # as the CLIs end

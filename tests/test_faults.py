@@ -59,11 +59,18 @@ def same_run(out, ref, step=3, atol=0.0, skip=()):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model_dir, tmp_path_factory):
+def uninterrupted_run(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted 3-step run -> (OUT, its process). A checkpoint after every step, by time: --save-minutes
+    0.001 is over before each step is."""
     out = tmp_path_factory.mktemp("faults") / "full"
-    proc = run_script("train.py", *args(tiny_model_dir, out, "--save-freq", "1"), env=CPU_ENV, timeout=600)
+    proc = run_script("train.py", *args(tiny_model_dir, out, "--save-minutes", "0.001"), env=CPU_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run[0]
 
 
 # SIGTERM at each point of a step: (fault, the checkpoint it leaves, what the resumed run says first)
@@ -343,13 +350,11 @@ def test_resume_on_another_world_size(two_ranks, tiny_model_dir, tmp_path):
     same_run(one, ref, step=4, atol=1e-4, skip=MICRO_BATCH_DIAGNOSTICS)
 
 
-def test_save_minutes_checkpoints_by_time(tiny_model_dir, tmp_path):
-    out = tmp_path / "run"
-    proc = run_script("train.py", *args(tiny_model_dir, out, "--save-minutes", "0.001", steps=2), env=CPU_ENV,
-                      timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_save_minutes_checkpoints_by_time(uninterrupted_run):
+    out, proc = uninterrupted_run
     assert "[ckpt] step 1 " in proc.stdout and sorted(p.name for p in out.glob("step_*")) == ["step_000001",
-                                                                                                "step_000002"]
+                                                                                                "step_000002",
+                                                                                                "step_000003"]
 
 
 # ----------------------------------------------------------------------------- SIGTERM on every rank, as torchrun sends it

@@ -11,23 +11,29 @@ METRICS = ["reward/mean", "acc/mean", "decoded_tokens/mean", "turns/mean", "inte
 VAL_METRICS = ["val/acc", "val/decoded_tokens", "val/turns"]
 
 
-def test_ranks_make_different_numbers_of_generate_calls(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
+@pytest.fixture(scope="module")
+def uneven_probe(tiny_model_dir, tmp_path_factory, vllm_two_rank_env, torchrun):
+    """tests/_uneven_worker.py on 2 ranks: an engine built before the process group, then the trainer's order."""
+    out = tmp_path_factory.mktemp("uneven")
+    proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "before-pg,ours", out, env=vllm_two_rank_env,
+                    timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return out
+
+
+def test_ranks_make_different_numbers_of_generate_calls(uneven_probe):
     """Rank 0 calls generate once, rank 1 twice, then both meet at a barrier (with the old vLLM DP group
     over all ranks, rank 1's second call never returned)."""
-    env = vllm_two_rank_env
-    proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "ours", tmp_path, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    res = [json.loads((uneven_probe / f"ours.rank{r}.json").read_text()) for r in range(2)]
     assert [len(r["calls_s"]) for r in res] == [1, 2] and all("barrier_s" in r for r in res), res
 
 
-def test_engine_before_process_group_fails_clearly(tiny_model_dir, tmp_path, vllm_two_rank_env, torchrun):
-    """vLLM would call init_process_group(world_size=1, rank=RANK) itself: gloo's 'rank < size' on rank 1."""
-    env = vllm_two_rank_env
-    proc = torchrun(ROOT / "tests" / "_uneven_worker.py", tiny_model_dir, "before-pg", tmp_path, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]  # each rank caught its error and wrote it (worker exits 0)
+def test_engine_before_process_group_fails_clearly(uneven_probe):
+    """vLLM would call init_process_group(world_size=1, rank=RANK) itself: gloo's 'rank < size' on rank 1. Each rank
+    catches its error and writes it (the worker goes on, and exits 0)."""
     for r in range(2):
-        assert "after torch.distributed.init_process_group" in json.loads((tmp_path / f"rank{r}.json").read_text())["error"]
+        error = json.loads((uneven_probe / f"before-pg.rank{r}.json").read_text())["error"]
+        assert "after torch.distributed.init_process_group" in error
 
 
 SHARED_OUT_WORKER = """
