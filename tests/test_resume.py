@@ -296,13 +296,13 @@ def test_eval_uses_an_export_only_as_its_manifest_says_it_was_written(one_step, 
 
     ckpt = tmp_path / "step_000001"
     shutil.copytree(one_step / "step_000001", ckpt)
-    weights = ckpt / "actor" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
+    exported = ckpt / "actor" / "model.safetensors"
+    data = bytearray(exported.read_bytes())
     data[-1] ^= 1
-    weights.write_bytes(bytes(data))
+    exported.write_bytes(bytes(data))
     for damage_it, needle in ((lambda: None, "actor/model.safetensors changed since it was written"),
-                              (lambda: (shutil.copy(one_step / "step_000001" / "actor" / "model.safetensors", weights),
-                                        shutil.copy(weights, ckpt / "actor" / "model-00001-of-00002.safetensors")),
+                              (lambda: (shutil.copy(one_step / "step_000001" / "actor" / "model.safetensors", exported),
+                                        shutil.copy(exported, ckpt / "actor" / "model-00001-of-00002.safetensors")),
                                "actor/model-00001-of-00002.safetensors is not in its manifest.json")):
         damage_it()
         proc = evaluate(ckpt)
