@@ -64,8 +64,8 @@ def start(args):
         from infra.collectives import init_distributed
 
         init_distributed()
-    from infra import \
-        checkpoint  # a training checkpoint is evaluated as its manifest says it was written, or not at all
+    # a training checkpoint is evaluated as its manifest says it was written, or not at all
+    from infra import checkpoint
     from infra.collectives import broadcast_object
 
     for name, why in broadcast_object({c: checkpoint.damage(Path(p).parent, only="actor") for c, p in paths.items()
@@ -94,10 +94,10 @@ def plan_engines(ev):
     from model import end_of_turn_ids
 
     args, paths, world = ev.args, ev.paths, ev.world
+    eos = {name: sorted(end_of_turn_ids(path, ev.prepared[name][0])) for name, path in paths.items()}
     ev.groups = defaultdict(list)
     for name, path in paths.items():
-        tokenizer, prompts = ev.prepared[name][:2]
-        ev.groups[engine_key(path, ev.kinds[name], prompts, end_of_turn_ids(path, tokenizer))].append(name)
+        ev.groups[engine_key(path, ev.kinds[name], ev.prepared[name][1], eos[name])].append(name)
     for names in ev.groups.values():
         for name in names:
             try:
@@ -118,7 +118,7 @@ def plan_engines(ev):
     ev.journals = {name: Journal(ev.out / "journal", name, ev.rank, {
         "weights": weights[name], "engine": args.engine,
         "engine_dtype": args.engine_dtype, "temperature": args.temperature, "top_p": args.top_p, "stop": args.stop,
-        "eos_ids": sorted(end_of_turn_ids(path, ev.prepared[name][0]))}) for name, path in paths.items()}
+        "eos_ids": eos[name]}) for name in paths}
     ev.say(f"[setup] {args.engine} engine dtype {args.engine_dtype} ({why}); {len(ev.records)} problems x "
            f"{args.samples_per_prompt} sample(s), {ev.gen_tokens} response tokens"
            + (f", {world} ranks" if world > 1 else ""))
