@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo print-demo-args compare test test-fast gpu-smoke venv model clean
+.PHONY: demo print-demo-args overthinker compare test test-fast gpu-smoke venv model clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,14 @@ demo: $(STAMP)
 	$(PY) train.py $(DEMO_ARGS) --overwrite
 	$(PY) eval.py $(DEMO_EVAL_ARGS) --overwrite
 
+# The overthinker (bench/overthinker.py): SmolLM2 warm-started on traces that reach the answer, then re-check it
+# one to five times (a quarter of them slip), on overthink_train. The last line is the model's directory; a second
+# call with the same recipe and traces reuses it.
+OVERTHINKER ?= models/overthinker
+overthinker: $(STAMP)
+	$(PY) model.py prepare
+	$(PY) bench/overthinker.py --out $(OVERTHINKER)
+
 # MuTIS against single-turn baselines (bench/compare.py), all from the demo's settings plus validation
 # every 4 steps on 50 problems (the curves), then eval.py on every checkpoint side by side:
 # runs/compare/summary.md. RUNS and SEEDS pick runs and seeds; MODEL, DATA, VAL and ARGS override the
@@ -75,14 +83,24 @@ RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
 TASK_ARGS := --data story_train --val-data story_test --system-prompt worked-steps --no-val-before-train --val-freq 12
 TASK_FLAGS := --sampled-limit 50
 OUT ?= runs/compare-story
+else ifeq ($(TASK),overthink)
+# TASK=overthink: the overthinker (make overthinker) on its own problems, the story task's settings; 64-token turns,
+# which its working fits and its re-checks overrun; eval.py at 1024 tokens, above its longest response, so that
+# the untrained overthinker is measured whole
+RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
+TASK_ARGS := --model $(OVERTHINKER) --data overthink_train --val-data overthink_test --system-prompt worked-steps \
+	--no-val-before-train --val-freq 12
+TASK_FLAGS := --sampled-limit 50 --eval-tokens 1024
+OUT ?= runs/compare-overthink
+COMPARE_NEEDS := overthinker
 else ifneq ($(TASK),)
-$(error TASK=$(TASK): known tasks are story (or none: the demo's arithmetic))
+$(error TASK=$(TASK): known tasks are story and overthink (or none: the demo's arithmetic))
 endif
 RUNS ?= mutis single_cap single_hard length_penalty
 SEEDS ?= 0
 OUT ?= runs/compare
 COMPARE_BASE ?= $(DEMO_ARGS) --val-freq 4 --val-limit 50 $(TASK_ARGS)
-compare: $(STAMP)
+compare: $(STAMP) $(COMPARE_NEEDS)
 	$(PY) bench/compare.py --runs "$(RUNS)" --seeds "$(SEEDS)" --out $(OUT) $(if $(LAUNCH),--launcher "$(LAUNCH)") \
 		$(TASK_FLAGS) $(COMPARE_FLAGS) -- $(COMPARE_BASE) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) \
 		$(if $(VAL),--val-data $(VAL)) $(ARGS)

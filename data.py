@@ -6,7 +6,7 @@
     python data.py arith   --out data/arith                          # seeded synthetic arithmetic
     python data.py show    math500 --limit 1                         # load anything, print a record
 
-`load_dataset(spec)` reads a bundled name (BENCHMARKS, TRAIN_SETS, ARITH_SETS) or a path:
+`load_dataset(spec)` reads a bundled name (BENCHMARKS, TRAIN_SETS, ARITH_SETS, STORY_SETS, OVERTHINK_SETS) or a path:
   * reference MuTIS/veRL parquet: data_source, prompt (list of chat messages), ability,
     reward_model {style, ground_truth}, extra_info -- what the preprocessors write;
   * simple parquet: prompt (a string, used as the user message), response, data_source and a
@@ -64,8 +64,10 @@ TRAIN_SETS = {
 }
 ARITH_SETS = {"arith_train": ("train", 1000), "arith_test": ("test", 100)}  # generated on the fly, seed ARITH_SEED
 STORY_SETS = {"story_train": ("train", 1000), "story_test": ("test", 100)}  # likewise, by make_story
+# story problems of 2 or 3 events in a stream of their own: the overthinker's (bench/overthinker.py)
+OVERTHINK_SETS = {"overthink_train": ("train", 1000), "overthink_test": ("test", 100)}
 ARITH_SEED = 42
-BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS, *STORY_SETS)  # every name load_dataset takes besides a path
+BUNDLED = (*BENCHMARKS, *TRAIN_SETS, *ARITH_SETS, *STORY_SETS, *OVERTHINK_SETS)  # every name load_dataset takes besides a path
 ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -268,6 +270,10 @@ def _load_reference(pf, path, system):
         yield {"id": rid, "data_source": source, "messages": messages, "ground_truth": truth, "problem": problem}
 
 
+def _numbered(rows):
+    return ((f"row {i}", r) for i, r in enumerate(rows))
+
+
 def load_dataset(spec, system_prompt=None, limit=None):
     """Normalised records from a bundled name or a path (see the module docstring).
 
@@ -279,11 +285,13 @@ def load_dataset(spec, system_prompt=None, limit=None):
     system = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
     problem_system = SYSTEM_PROMPTS["eval"] if system_prompt is None else system
     spec = str(spec)
-    if spec in ARITH_SETS or spec in STORY_SETS:
-        make, source = (make_arith, "arith") if spec in ARITH_SETS else (make_story, "story")
-        split, n = {**ARITH_SETS, **STORY_SETS}[spec]
-        rows = ((f"row {i}", r) for i, r in enumerate(make(n, ARITH_SEED, split=split)))
-        records = _load_problems(rows, spec, problem_system, source)
+    if spec in ARITH_SETS:
+        split, n = ARITH_SETS[spec]
+        records = _load_problems(_numbered(make_arith(n, ARITH_SEED, split=split)), spec, problem_system, "arith")
+    elif spec in STORY_SETS or spec in OVERTHINK_SETS:
+        split, n = {**STORY_SETS, **OVERTHINK_SETS}[spec]
+        made = make_story(n, ARITH_SEED, split) if spec in STORY_SETS else make_overthink(n, ARITH_SEED, split)
+        records = _load_problems(_numbered(made), spec, problem_system, "story")
     elif spec in BENCHMARKS or spec in TRAIN_SETS:
         path = ROOT / {**BENCHMARKS, **TRAIN_SETS}[spec]
         records = _load_problems(read_rows(path), path, problem_system, spec)
@@ -483,14 +491,15 @@ STORY_NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia")
 STORY_ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils")
 
 
-def make_story(n, seed=ARITH_SEED, split="train", events=(1, 2)):
+def make_story(n, seed=ARITH_SEED, split="train", events=(1, 2), stream="story"):
     """Seeded word problems with intermediate quantities [{id, problem, answer}]: someone holds 2-9 things,
     then 1 or 2 events change the count (buys 1-9 more; gives away fewer than held; the count doubles, only
     while at most 20 are held), then the question. Working pays here: SmolLM2-135M with the 'worked-steps'
     prompt solves 16 % of story_test (24 % of one-event, 9 % of two-event problems) when it writes the calculation
-    first, 3 % when it must answer at once (bench/reasoning_gap.py, data/README.md). Each split has its own stream.
+    first, 3 % when it must answer at once (bench/reasoning_gap.py, data/README.md). Each split has its own stream,
+    and each `stream` name its own problems.
     """
-    rng = random.Random(f"story-{split}-{seed}")
+    rng = random.Random(f"{stream}-{split}-{seed}")
     rows = []
     for i in range(n):
         name, item, count = rng.choice(STORY_NAMES), rng.choice(STORY_ITEMS), rng.randint(2, 9)
@@ -509,7 +518,19 @@ def make_story(n, seed=ARITH_SEED, split="train", events=(1, 2)):
                 count, line = 2 * count, f"Then the number of {item} doubles."
             text.append(line)
         text.append(f"How many {item} does {name} have now?")
-        rows.append({"id": f"story-{split}-{i:05d}", "problem": " ".join(text), "answer": str(count)})
+        rows.append({"id": f"{stream}-{split}-{i:05d}", "problem": " ".join(text), "answer": str(count)})
+    return rows
+
+
+def make_overthink(n, seed=ARITH_SEED, split="train"):
+    """The overthinker's problems (bench/overthinker.py): story problems of 2 or 3 events, in their own stream; the
+    test split holds none of overthink_train's problems (the first 1000 of the train stream)."""
+    if split == "train":
+        return make_story(n, seed, split, events=(2, 3), stream="overthink")
+    seen = {r["problem"] for r in make_overthink(OVERTHINK_SETS["overthink_train"][1], seed)}
+    rows = [r for r in make_story(2 * n + 100, seed, split, events=(2, 3), stream="overthink")
+            if r["problem"] not in seen][:n]
+    assert len(rows) == n, "the train split covers too much of the problem space"
     return rows
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import eval_setup
 from data import DataError, read_rows
 from eval_report import summarize, versions, write_outputs
+from infra import first_correct
 from infra.cli import ArgumentParser, deprecated, die, positive_int, write_atomic
 
 DEFAULT_BENCHMARKS = "math500,aime24,amc23,minerva,olympiadbench"  # the paper's five
@@ -166,11 +167,13 @@ def score_generated(samples, args, tokenizer):
         at = at_limit(s, args.max_response_tokens, tokenizer, cuts(args))
         r = results[job[i, args.max_response_tokens]]
         timeline = (s["response_ids"] + s["_dropped"])[:args.max_response_tokens]
-        shown = tokenizer.decode(timeline, skip_special_tokens=True)  # with interventions and what a cut dropped
+        decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+        shown = decode(timeline)  # with interventions and what a cut dropped
         kept = sum(s["_action_mask"][:at["end"]])
         s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
                  decoded_tokens=at["decoded"], kept_tokens=kept, intervention_tokens=at["end"] - kept,
-                 truncated=at["truncated"],
+                 truncated=at["truncated"], first_correct_tokens=first_correct.first_correct_tokens(
+                     timeline, s["gold"], decode),
                  repeated=at["loop"] is not None, repeated_after_answer=at["loop"] == "after answer", turns=at["turns"],
                  budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
         for key in [k for k in s if k.startswith("_") and k != "_index"]:  # _index: main's sort, then dropped

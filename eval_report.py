@@ -40,6 +40,11 @@ def summarize(samples, budgets, multi_turn):
         for key in ("kept_tokens", "intervention_tokens"):  # the policy tokens a cut kept; the interventions' tokens
             if all(s.get(key) is not None for s in group):
                 stats[key] = statistics.fmean(s[key] for s in group)
+        reached = [s.get("first_correct_tokens") for s in group]  # infra/first_correct.py; None: never stated
+        stats["reaches_correct"] = None if any("first_correct_tokens" not in s for s in group) \
+            else statistics.fmean(t is not None for t in reached)
+        stats["first_correct_tokens"] = statistics.fmean(t for t in reached if t is not None) \
+            if any(t is not None for t in reached) else None
         for key in ("repeated", "repeated_after_answer"):  # infra/repetition.py; unknown (None) for --score files (no ids)
             stats[key] = None if any(s.get(key) is None for s in group) else statistics.fmean(s[key] for s in group)
         n = max(len(c) for c in per_problem)
@@ -94,6 +99,13 @@ def markdown(results, budgets):
               "| checkpoint | benchmark | truncated | repeated | after answer |", "|---|---|---|---|---|"]
     lines += [f"| {c} | {b} | {pct(v['truncated'])} | {pct(v['repeated'])} | {pct(v['repeated_after_answer'])} |"
               for c in ckpts for b, v in results[c].items()]
+    reach = [(c, b, v) for c in ckpts for b, v in results[c].items() if v.get("first_correct_tokens") is not None]
+    if reach:  # infra/first_correct.py: the tokens that bought the answer, against the tokens decoded
+        lines += ["", "Tokens to the first correct answer: the responses that state the right answer anywhere (%), "
+                  "their mean tokens up to it, and the mean decoded tokens of every response", "",
+                  "| checkpoint | benchmark | reach it | tokens to it | decoded (all) |", "|---|---|---|---|---|"]
+        lines += [f"| {c} | {b} | {pct(v['reaches_correct'])} | {v['first_correct_tokens']:.1f} | "
+                  f"{v['decoded_tokens']:.1f} |" for c, b, v in reach]
     cut = [(c, b, v) for c in ckpts for b, v in results[c].items()
            if v.get("intervention_tokens") or abs(v.get("kept_tokens", v["decoded_tokens"]) - v["decoded_tokens"]) > 1e-9]
     if cut:  # only where turns were cut at their answer or interventions added tokens

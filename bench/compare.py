@@ -107,13 +107,15 @@ def table(rows, turn_tokens):
     def f(v, fmt, scale=1):
         return "–" if v is None else format(v * scale, fmt)
     head = ["run", "seeds", "acc %", "± SE", "seed range", f"acc % at {turn_tokens} tok", "mean tok", "median tok",
-            "at cap %", "unfinished %", "repeated % (after answer)", "val acc % (own)", "val tok (own)",
+            "tok to 1st right", "at cap %", "unfinished %", "repeated % (after answer)", "val acc % (own)",
+            "val tok (own)",
             "val turns (own)", "train min"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in rows:
         spread = f"{100 * m['acc_min']:.1f}–{100 * m['acc_max']:.1f}" if m["seeds"] > 1 else "–"
         cells = [name, str(m["seeds"]), f(m["acc"], ".1f", 100), f(m["acc_se"], ".1f", 100), spread,
                  f(m.get("acc_at_T"), ".1f", 100), f(m["decoded_tokens"], ".0f"), f(m["median_decoded_tokens"], ".0f"),
+                 f(m.get("first_correct_tokens"), ".0f"),
                  f(m.get("at_cap"), ".0f", 100), f(m.get("unfinished"), ".0f", 100),
                  f"{f(m.get('repeated'), '.0f', 100)} ({f(m.get('repeated_after_answer'), '.0f', 100)})",
                  f(m.get("val_acc"), ".1f", 100),
@@ -300,7 +302,8 @@ def frontier(tables, path):
 
 def evaluate(out, ta, found, cap, T, opts, protocol):
     """One eval.py call: the untrained model and every final checkpoint under `protocol` -> (scored(ckpt), argv, s).
-    An eval directory written by the same arguments is reused (--summarize after adding a protocol)."""
+    An eval directory written by the same arguments is reused (--summarize after adding a protocol). cap: eval.py's
+    token cap (--eval-tokens, else the MuTIS cap)."""
     sub = out / ("eval" if protocol == "greedy" else f"eval-{protocol}")
     ckpts = [ta.model] + [str(d / "latest") for _, _, d, _ in found]
     limit = opts.sampled_limit if protocol == "sampled" and opts.sampled_limit else opts.eval_limit
@@ -323,7 +326,8 @@ def evaluate(out, ta, found, cap, T, opts, protocol):
         return {"acc": r["accuracy"], "n": r["n"], "acc_at_T": r.get("budget_accuracy", {}).get(str(T)),
                 "decoded_tokens": r["decoded_tokens"], "median_decoded_tokens": r["median_decoded_tokens"],
                 "at_cap": capped[ckpt], "unfinished": r.get("truncated"), "repeated": r.get("repeated"),
-                "repeated_after_answer": r.get("repeated_after_answer")}
+                "repeated_after_answer": r.get("repeated_after_answer"),
+                "first_correct_tokens": r.get("first_correct_tokens"), "reaches_correct": r.get("reaches_correct")}
     return scored, argv, time.time() - t0
 
 
@@ -337,8 +341,9 @@ def summarize(out, ta, base, cap, T, opts, notes):
             notes.append(f"{d.name} was trained with other train.py arguments than these (see its compare.json)")
             print(f"note: {notes[-1]}", flush=True)
     tables, per_protocol, evals, eval_s = {}, {}, {}, 0.0
+    eval_cap = opts.eval_tokens or cap
     for protocol in opts.protocols:
-        scored, evals[protocol], secs = evaluate(out, ta, found, cap, T, opts, protocol)
+        scored, evals[protocol], secs = evaluate(out, ta, found, eval_cap, T, opts, protocol)
         eval_s += secs
         per_run = {}
         for name, seed, d, rec in found:
@@ -350,8 +355,8 @@ def summarize(out, ta, base, cap, T, opts, notes):
     plot(found, out / "curves.png")
     frontier(tables, out / "frontier.png")
     train_s = sum(rec["wall_s"] for *_, rec in found)
-    setting = (f"single turn at {cap} tokens" if not opts.eval_turns else
-               f"{opts.eval_turns} interventions, {T}-token turns, {cap} tokens in all")
+    setting = (f"single turn at {eval_cap} tokens" if not opts.eval_turns else
+               f"{opts.eval_turns} interventions, {T}-token turns, {eval_cap} tokens in all")
     steps = f"{ta.steps} steps" if ta.steps else f"{ta.epochs} epochs"
     val_steps = sorted({r["step"] for *_, d, _ in found for r in val_rows(d)})
     every = f"at step {', '.join(map(str, val_steps))}" if val_steps else "never"
@@ -369,13 +374,16 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"train.py arguments `{' '.join(without_out(base))}`, each run's `--out` {out}/<run>-s<seed>.",
         f"- MuTIS budget: {T}-token turns, up to {ta.max_turns} interventions of {opts.intervention_tokens} tokens: "
         f"a trajectory reaches at most {cap} tokens (the single-turn cap below).",
+        *([f"- eval.py's cap: {eval_cap} tokens (--eval-tokens), above the MuTIS cap: every model is measured whole."]
+          if eval_cap != cap else []),
         f"- Validation while training (val columns, the markers in curves.png): greedy, each run in its own rollout "
         f"setting, on {'the first ' + str(ta.val_limit) if ta.val_limit else 'all'} problems of `{ta.val_data}`, "
         f"{every}; the columns show the last one. curves.png's lines: the training rollouts of every step.",
         f"- Final evaluation (acc, tokens, at cap, unfinished, repeated): one eval.py call per protocol, {setting}, on the "
         f"problems of `{ta.val_data}` (n below); acc at {T} tok re-scores the same generations cut at {T} tokens; "
-        f"at cap: "
-        f"responses that used all {cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
+        f"tok to 1st right: eval.py's `first_correct_tokens`, the mean tokens up to where a response first states "
+        f"the right result, over the responses that do (the rest decoded after it bought nothing); at cap: "
+        f"responses that used all {eval_cap} tokens; unfinished: eval.py's `truncated`, a token limit cut the response "
         f"before any answer; repeated: responses that ran into the cap in a loop, before or after an answer (in "
         f"brackets: after one); tokens are those the engine decoded (val tok too: every turn, what a turn's cut "
         f"dropped included); SE = sqrt(s_seeds^2/S + p(1-p)/n) (the seeds' spread and the problems' binomial "
@@ -389,7 +397,8 @@ def summarize(out, ta, base, cap, T, opts, notes):
         f"curves.png, <run>-s<seed>/.",
         *[f"\nNote: {x}" for x in notes], ""])
     write_atomic(out / "summary.md", text)
-    write_atomic(out / "summary.json", json.dumps({"settings": {"cap": cap, "turn_tokens": T, "train_args": base,
+    write_atomic(out / "summary.json", json.dumps({"settings": {"cap": cap, "eval_cap": eval_cap, "turn_tokens": T,
+                                                                "train_args": base,
                                                                 "eval_args": evals, "eval_s": round(eval_s, 1)},
                                                    **per_protocol[opts.protocols[0]], "protocols": per_protocol,
                                                    "notes": notes}, indent=2) + "\n")
@@ -419,6 +428,9 @@ def parse_args(argv):
                                                   "(default: this python)")
     p.add_argument("--eval-turns", type=int, default=0, help="eval.py --max-turns (0: single turn, the paper's eval)")
     p.add_argument("--eval-limit", type=int, default=None, help="eval.py --limit: first N validation problems")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="eval.py --max-response-tokens (default: the MuTIS cap); above the longest response a model "
+                        "writes, the untrained model is measured whole")
     p.add_argument("--sampled-limit", type=int, default=None,
                    help="eval.py --limit for the sampled protocol only (it generates "
                         f"{SETTINGS['sampled']['samples_per_prompt']} samples per problem)")
@@ -434,6 +446,8 @@ def parse_args(argv):
     opts.protocols = list(dict.fromkeys(x for x in opts.protocols.replace(",", " ").split()))
     if not opts.protocols or (bad := [x for x in opts.protocols if x not in PROTOCOLS]):
         die(f"--protocols: expected {' and/or '.join(PROTOCOLS)}, got {bad[0] if opts.protocols else 'none'}")
+    if opts.eval_tokens is not None and opts.eval_tokens < 1:
+        die(f"--eval-tokens {opts.eval_tokens}: must be >= 1")
     if not all(s.isdigit() for s in opts.seeds) or not opts.seeds:
         die(f"--seeds: expected non-negative integers, got {' '.join(opts.seeds) or 'none'}")
     return opts, argv[cut + 1:]

@@ -96,7 +96,7 @@ def _cells(md, row):
 def test_table_cells():
     one = compare.aggregate([{"acc": 0.82, "n": 100, "acc_at_T": 0.8, "decoded_tokens": 16.54, "median_decoded_tokens": 15,
                               "at_cap": 0.0, "unfinished": 0.02, "repeated": 0.1, "repeated_after_answer": 0.07,
-                              "val_acc": 0.8, "val_tokens": 17.2, "val_turns": 1.0, "wall_s": 390}])
+                              "first_correct_tokens": 12.4, "val_acc": 0.8, "val_tokens": 17.2, "val_turns": 1.0, "wall_s": 390}])
     two = compare.aggregate([{"acc": 0.5, "n": 100, "decoded_tokens": 100, "median_decoded_tokens": 90, "at_cap": 0.25},
                              {"acc": 0.7, "n": 100, "decoded_tokens": 120, "median_decoded_tokens": 110, "at_cap": 0.35}])
     md = compare.table([("mutis", one), ("single_cap", two)], 64)
@@ -105,7 +105,8 @@ def test_table_cells():
     rows = [dict(zip(head, _cells(md, i))) for i in (2, 3)]
     assert all(len(_cells(md, i)) == len(head) for i in range(4))
     assert rows[0] == {"run": "mutis", "seeds": "1", "acc %": "82.0", "± SE": "3.8", "seed range": "–",
-                       "acc % at 64 tok": "80.0", "mean tok": "17", "median tok": "15", "at cap %": "0",
+                       "acc % at 64 tok": "80.0", "mean tok": "17", "median tok": "15", "tok to 1st right": "12",
+                       "at cap %": "0",
                        "unfinished %": "2", "repeated % (after answer)": "10 (7)",
                        "val acc % (own)": "80.0", "val tok (own)": "17", "val turns (own)": "1.00", "train min": "6.5"}
     # two seeds: the seeds' variance over 2 plus the binomial variance of 100 problems
@@ -114,7 +115,7 @@ def test_table_cells():
         == "11.1"
     assert rows[1]["seed range"] == "50.0–70.0" and rows[1]["at cap %"] == "30" and rows[1]["unfinished %"] == "–"
     assert rows[1]["repeated % (after answer)"] == "– (–)"
-    assert rows[1]["val acc % (own)"] == rows[1]["train min"] == rows[1]["acc % at 64 tok"] == "–"
+    assert rows[1]["val acc % (own)"] == rows[1]["train min"] == rows[1]["tok to 1st right"] == rows[1]["acc % at 64 tok"] == "–"
 
 
 def test_eval_argv_parses_with_eval_py():

@@ -402,12 +402,13 @@ def test_prompt_ids_token_exact(smollm2_dir, option):
 def test_bundled_sets():
     want = {"math500": 500, "aime24": 30, "amc23": 40, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319,
             "gsm8k_train": 2000, "math_train": 7469, "aime_train": 969, "arith_train": 1000, "arith_test": 100,
-            "story_train": 1000, "story_test": 100}
+            "story_train": 1000, "story_test": 100, "overthink_train": 1000, "overthink_test": 100}
     assert set(want) == set(data.BUNDLED)
     for name, n in want.items():
         recs = data.load_dataset(name)
         assert len(recs) == n
-        assert {r["data_source"] for r in recs} == {name.split("_")[0] if name[:5] in ("arith", "story") else name}
+        source = {"arith": "arith", "story": "story", "overt": "story"}.get(name[:5], name)
+        assert {r["data_source"] for r in recs} == {source}
         assert len({r["id"] for r in recs}) == n
         assert all(r["messages"] == [system(EVAL), user(r["problem"])] for r in recs)
         assert all(isinstance(r["ground_truth"], str) and r["ground_truth"] for r in recs)

@@ -102,24 +102,31 @@ def test_eval_reports_the_loop_after_the_answer(tmp_path, answer_loop_models):
     synced in): the looper decodes to the cap after its answer, the stopper stops."""
     out = tmp_path / "eval"
     looper, stopper = answer_loop_models["looper"], answer_loop_models["stopper"]
-    r = run_script("eval.py", stopper, looper, "--benchmarks", "arith_test", "--limit", 6, "--system-prompt",
+    sevens = tmp_path / "sevens.jsonl"  # the models' '7' is right for one: the tokens to it are its first 4
+    sevens.write_text('{"problem": "What is 3 + 4?", "answer": "7"}\n{"problem": "What is 2 + 3?", "answer": "5"}\n')
+    r = run_script("eval.py", stopper, looper, "--benchmarks", f"arith_test,{sevens}", "--limit", 6, "--system-prompt",
                    "answer-line", "--max-response-tokens", 40, "--budgets", "none", "--engine-dtype", "float32",
                    "--enforce-eager", "--out", out, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     results = json.loads((out / "summary.json").read_text())["results"]
-    golds = [s["gold"] for s in samples if s["checkpoint"] == looper]
+    golds = [s["gold"] for s in samples if s["checkpoint"] == looper and s["benchmark"] == "arith_test"]
     for name, decoded, loops in ((looper, 40, 1.0), (stopper, 5, 0.0)):  # 'Answer: 7' is 4 tokens, then EOS
         mine = [s for s in samples if s["checkpoint"] == name]
         assert all(s["decoded_tokens"] == decoded == s["kept_tokens"] for s in mine)
+        assert all(s["first_correct_tokens"] == (4 if s["gold"] == "7" else None) for s in mine)
+        assert (results[name][str(sevens)]["reaches_correct"], results[name][str(sevens)]["first_correct_tokens"]) \
+            == (0.5, 4)
         assert all(s["response_text"].startswith("Answer: 7") for s in mine)
         stats = results[name]["arith_test"]
+        assert (stats["reaches_correct"], stats["first_correct_tokens"]) == (0.0, None)  # no gold is 7
         assert (stats["decoded_tokens"], stats["repeated"], stats["repeated_after_answer"]) == (decoded, loops, loops)
         assert stats["truncated"] == 0.0 and stats["accuracy"] == pytest.approx(sum(g == "7" for g in golds) / 6)
     md = (out / "summary.md").read_text()
     assert f"| {looper} | arith_test | 0.0 | 100.0 | 100.0 |" in md
     assert f"| {stopper} | arith_test | 0.0 | 0.0 | 0.0 |" in md
     assert "40 (+35, +700%)" in md  # the looper's tokens against the stopper's
+    assert f"| {looper} | {sevens} | 50.0 | 4.0 | 40.0 |" in md  # reach it, tokens to it, decoded
 
 
 @pytest.mark.vllm
