@@ -217,6 +217,9 @@ def main(argv=None):
         die("--out: give the directory the overthinker goes to (or --show N)")
     if args.lr <= 0:
         die(f"--lr {args.lr}: must be > 0")
+    out = Path(args.out)
+    if out.exists() and not (out / "overthinker.json").exists() and (not out.is_dir() or any(out.iterdir())):
+        die(f"--out {out} holds something else than an overthinker (no overthinker.json): give another --out")
     from infra.system import quiet_logs
     from model import resolve_model
 

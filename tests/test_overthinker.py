@@ -79,6 +79,15 @@ def test_a_text_that_is_no_story_problem_is_refused():
         overthinker.parse_story("What is 2 + 3?")
 
 
+def test_an_out_that_holds_something_else_is_refused_untouched(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        overthinker.main(["--out", str(tmp_path), "--steps", "1"])
+    assert e.value.code == 2 and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --out {tmp_path} holds something else than an overthinker (no overthinker.json): give another --out")
+
+
 def test_first_correct_reads_stated_results_whole():
     text = "5 + 3 = 8.\n8 - 6 = 2 apples, so the count is 23? No: it is 2.\n\nAnswer: 2"
     assert first_correct.first_correct_end(text, "2") == text.index("= 2") + 3
