@@ -146,8 +146,10 @@ def at_limit(s, limit, tokenizer, first):
 
 def score_generated(samples, args, tokenizer):
     """Fill pred/correct/... at --max-response-tokens and budget_correct at each budget, in one score_batch call."""
+    import rollout
     from reward import score_batch
 
+    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
     limits = sorted(set(args.budgets) | {args.max_response_tokens})
     texts, owner, job = [], [], {}  # job[(sample, limit)] -> index into texts; a text never cut is scored once
     for i, s in enumerate(samples):
@@ -167,13 +169,13 @@ def score_generated(samples, args, tokenizer):
         at = at_limit(s, args.max_response_tokens, tokenizer, cuts(args))
         r = results[job[i, args.max_response_tokens]]
         timeline = (s["response_ids"] + s["_dropped"])[:args.max_response_tokens]
-        decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
         shown = decode(timeline)  # with interventions and what a cut dropped
         kept = sum(s["_action_mask"][:at["end"]])
+        reached = first_correct.first_correct_end(shown, s["gold"])  # a character offset into shown, or None
         s.update(response_text=shown, pred=r["pred"], correct=bool(r["acc"]), has_answer=bool(r["has_answer"]),
                  decoded_tokens=at["decoded"], kept_tokens=kept, intervention_tokens=at["end"] - kept,
-                 truncated=at["truncated"], first_correct_tokens=first_correct.first_correct_tokens(
-                     timeline, s["gold"], decode),
+                 truncated=at["truncated"],
+                 first_correct_tokens=None if reached is None else rollout.tokens_through(timeline, decode, reached),
                  repeated=at["loop"] is not None, repeated_after_answer=at["loop"] == "after answer", turns=at["turns"],
                  budget_correct={str(b): bool(results[job[i, b]]["acc"]) for b in args.budgets})
         for key in [k for k in s if k.startswith("_") and k != "_index"]:  # _index: main's sort, then dropped

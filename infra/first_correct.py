@@ -4,7 +4,8 @@ An overthinking model reaches its answer, then checks, restarts and repeats; the
 bought nothing (or, when a re-check slips, cost the answer). Chen et al. 2024 ("Do NOT Think That Much for
 2+3=?") measure this as the tokens up to the first correct solution against the whole response. eval.py reports
 it per sample (`first_correct_tokens`) and, per benchmark, its mean over the responses that reach a correct answer
-anywhere, with the share that do.
+anywhere, with the share that do. eval.py turns the character offset into tokens with rollout.tokens_through, the
+bisection the turn rule cuts with.
 
 The definition, for numeric golds (None otherwise): the first number that the response states as a result -- right
 after '=', 'is', an 'Answer:' marker or '\\boxed{' -- and that equals the gold; its end, in characters, then in
@@ -33,20 +34,3 @@ def first_correct_end(text, gold):
             return m.end(1)
     return None
 
-
-def tokens_to(ids, end, decode):
-    """The fewest of `ids` whose decoded text reaches character `end` (binary search: prefixes decode as prefixes)."""
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(decode(ids[:mid])) >= end:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def first_correct_tokens(ids, gold, decode):
-    """Tokens of `ids` up to the first correct answer (module docstring), or None where it never comes."""
-    end = first_correct_end(decode(ids), gold)
-    return None if end is None else tokens_to(ids, end, decode)

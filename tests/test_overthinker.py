@@ -100,15 +100,18 @@ def test_first_correct_reads_stated_results_whole():
 
 
 def test_first_correct_tokens_counts_the_tokens_up_to_it(tiny_model_dir):
+    """As eval.py counts them: the character offset in the decoded response, then rollout.tokens_through."""
+    import rollout
     from infra.hf import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     t = overthinker.trace(data.load_dataset("overthink_test")[0])
     ids = tok.encode(t["response"], add_special_tokens=False)
     decode = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
-    n = first_correct.first_correct_tokens(ids, t["answer"], decode)
+    assert first_correct.first_correct_end(decode(ids), t["answer"]) == t["first_answer"]
+    n = rollout.tokens_through(ids, decode, t["first_answer"])
     assert len(decode(ids[:n])) >= t["first_answer"] > len(decode(ids[:n - 1]))
-    assert first_correct.first_correct_tokens(ids, "999", decode) is None
+    assert first_correct.first_correct_end(decode(ids), "999") is None
 
 
 @pytest.mark.slow
