@@ -28,8 +28,11 @@ endif
 model: $(STAMP)
 	$(PY) model.py prepare
 
+# Two pytest workers, a test file each at a time (its module fixtures are built once): most tests wait on a
+# one-thread subprocess (train.py, eval.py, a rank), so two of them share 2 cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
 # markers in pyproject.toml; tests/conftest.py sets them from the fixtures a test uses
 test-fast: $(STAMP)
@@ -86,7 +89,8 @@ OUT ?= runs/compare-story
 else ifeq ($(TASK),overthink)
 # TASK=overthink: the overthinker (make overthinker) on its own problems, the story task's settings; 64-token turns,
 # which its working fits and its re-checks overrun; eval.py at 1024 tokens, above its longest response, so that
-# the untrained overthinker is measured whole
+# the untrained overthinker is measured whole; `make compare TASK=overthink SEEDS="0 1 2"` is docs/results.md's table
+# (136 minutes of training and eval.py on 2 CPU cores, after the overthinker's 10)
 RUNS ?= mutis single_cap single_hard length_penalty_0.05 length_penalty_0.2
 TASK_ARGS := --model $(OVERTHINKER) --data overthink_train --val-data overthink_test --system-prompt worked-steps \
 	--no-val-before-train --val-freq 12

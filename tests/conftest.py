@@ -21,7 +21,15 @@ MARKS_BY_FIXTURE = {"torchrun": ("dist",), "vllm_two_rank_env": ("vllm", "dist")
                     "vllm_engine": ("vllm",), "smol_engine": ("vllm",)}  # the engines of test_rollout, test_eval
 
 
+# The longest files (seconds on 2 cores), started first: `make test`'s two workers (pytest-xdist, a file at a time)
+# then end together instead of one waiting on a long file taken last.
+LONGEST_FIRST = ("test_faults.py", "test_eval_scale.py", "test_train.py", "test_multirank.py", "test_rollout.py",
+                 "test_eval.py", "test_compile.py", "test_lora.py", "test_resume.py")
+
+
 def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
     for item in items:
         for name in sorted(MARKS_BY_FIXTURE.keys() & set(getattr(item, "fixturenames", ()))):
             for mark in MARKS_BY_FIXTURE[name]:
