@@ -18,7 +18,7 @@ import torch
 from infra.cli import die
 from infra.hf import load_causal_lm, load_tokenizer
 from infra.system import choose_dtype, default_device, engine_memory_error
-from infra.vllm_internal import vllm_internal
+from infra.vllm_internal import eager_token_ranks, vllm_internal
 
 # token_ids/logprobs: lists for one completion; stopped: ended on EOS or a stop string (else: length cap)
 Completion = namedtuple("Completion", "token_ids logprobs stopped")
@@ -161,6 +161,7 @@ class VLLMEngine:
         kwargs = {}
         self.on_cpu = current_platform.is_cpu()
         if self.on_cpu:
+            eager_token_ranks()  # no inductor build per process for the sampled tokens' ranks
             # Without an explicit KV size the CPU backend reserves gpu_memory_utilization of *host* RAM.
             kv = kv_cache_gib if kv_cache_gib is not None else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 2))
             kwargs["kv_cache_memory_bytes"] = int(kv * 2**30)

@@ -1,5 +1,6 @@
 """The one place that relies on vLLM below its public `LLM` API (checked against vLLM 0.32; these paths move between
-versions): engines.VLLMEngine's weight reload, its CPU sleep, its shutdown and its memory figures."""
+versions): engines.VLLMEngine's weight reload, its CPU sleep, its shutdown, its memory figures and its CPU sampler's
+token ranks."""
 import logging
 
 import torch
@@ -97,3 +98,17 @@ def _discarded(model):
 def _largest_layer(model):
     return max((sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()),
                default=0)
+
+
+def eager_token_ranks():
+    """vLLM's sampler ranks each sampled token (how many logits reach its own) with a torch.compile'd kernel. On the
+    CPU backend that is an inductor C++ build in every process: seconds at the first generate with a warm cache, over
+    ten cold. The eager expression gives the same counts; its [B, V] bool temporary is what the kernel avoids on a
+    GPU, and is small beside the logits on a CPU. Called on the CPU backend only, before the engine is built."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = _count_at_least
+
+
+def _count_at_least(x, values):
+    return (x >= values).sum(-1)  # [B, V] >= [B, 1] -> [B]: the rank of each row's value, as vLLM's kernel counts it
