@@ -73,28 +73,35 @@ def uninterrupted(uninterrupted_run):
     return uninterrupted_run[0]
 
 
-# SIGTERM at each point of a step: (fault, the checkpoint it leaves, what the resumed run says first)
-POINTS = [("term-rollout:2", 1, "at step 1"),                       # rollout cut at once: the state step 2 began from
-          ("term-update:1:*:1", 0, "starting at step 0"),           # first update micro-batch: nothing to keep
-          ("term-logprobs:3:*:2", 2, "at step 2"),                  # between no-grad micro-batches
-          ("term-update:2:*:3", 2, "validation was cut short"),     # after the first optimiser step: step 2 finishes,
-          ("term-validate:3", 3, "validation was cut short")]       # its validation pending; the last step's too
+# SIGTERM at each point of a step: (fault, the checkpoint it leaves, what the resumed run says first). Each chain is one
+# run stopped again and again: every resume but the last is itself stopped at the next point, then the last one must
+# end where the uninterrupted run ends (a resume that lost or repeated anything would carry it to the end).
+CHAINS = {"rollout-update-validate": [
+              ("term-update:1:*:1", 0, "starting at step 0"),           # first update micro-batch: nothing to keep
+              ("term-rollout:2", 1, "at step 1"),                        # rollout cut at once: the state step 2 began from
+              ("term-update:2:*:3", 2, "validation was cut short"),      # after the first optimiser step: step 2
+                                                                         # finishes, its validation pending
+              ("term-validate:3", 3, "validation was cut short")],       # the last step's validation too
+          "logprobs": [("term-logprobs:3:*:2", 2, "at step 2")]}        # between no-grad micro-batches
 
 
-@pytest.mark.parametrize("fault, saved, resumed_says", POINTS, ids=[p[0] for p in POINTS])
-def test_sigterm_checkpoints_within_the_grace_and_resumes_exactly(fault, saved, resumed_says, uninterrupted,
-                                                                   tiny_model_dir, tmp_path):
-    out, clock = tmp_path / "run", tmp_path / "signal_time"
-    proc = run_script(WORKER, fault, *args(tiny_model_dir, out), env={**CPU_ENV, "FAULT_TIME_FILE": str(clock)},
-                      timeout=600)
-    took = time.time() - float(clock.read_text())
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    said = f"checkpointed step {saved} " if saved else "nothing to checkpoint before step 1"
-    assert said in proc.stdout and took < 10, (took, proc.stdout[-2000:])
-    assert os.readlink(out / "latest") == f"step_{saved:06d}" if saved else not (out / "latest").exists()
+@pytest.mark.parametrize("chain", CHAINS)
+def test_sigterm_checkpoints_within_the_grace_and_resumes_exactly(chain, uninterrupted, tiny_model_dir, tmp_path):
+    out, clock, says = tmp_path / "run", tmp_path / "signal_time", None
+    for fault, saved, resumed_says in CHAINS[chain]:
+        resume = ("--resume",) if says else ()
+        proc = run_script(WORKER, fault, *args(tiny_model_dir, out, *resume),
+                          env={**CPU_ENV, "FAULT_TIME_FILE": str(clock)}, timeout=600)
+        took = time.time() - float(clock.read_text())
+        assert proc.returncode == 143, (fault, proc.stderr[-3000:])
+        assert says is None or says in proc.stdout, (fault, says, proc.stdout[-2000:])  # the previous stop's resume
+        said = f"checkpointed step {saved} " if saved else "nothing to checkpoint before step 1"
+        assert said in proc.stdout and took < 10, (fault, took, proc.stdout[-2000:])
+        assert os.readlink(out / "latest") == f"step_{saved:06d}" if saved else not (out / "latest").exists()
+        says = resumed_says
     proc = run_script("train.py", *args(tiny_model_dir, out, "--resume"), env=CPU_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert resumed_says in proc.stdout
+    assert says in proc.stdout
     same_run(out, uninterrupted)
 
 
@@ -360,27 +367,29 @@ def test_save_minutes_checkpoints_by_time(uninterrupted_run):
 # ----------------------------------------------------------------------------- SIGTERM on every rank, as torchrun sends it
 
 # (fault, the checkpoint it leaves, written by the SIGTERM): the agent gets the signal (as from SLURM) and passes it
-# to both ranks at once
-AGENT_POINTS = [("agent-rollout:2:1", 1, False),     # rollout: every rank stops at its engine's next step; step 1's
-                                                     # checkpoint (--save-freq 1) is already there
-                ("agent-logprobs:3:0:2", 2, False),  # between no-grad micro-batches: both ranks agree to drop step 3
-                ("agent-update:2:0:2", 2, True),     # after the first optimiser step: both finish step 2 and keep it
-                ("agent-validate-late:3:0", 3, True)]  # rank 1 has finished its validation shard and waits for rank 0
+# to both ranks at once. Chained as the one-process points are: each resume but the last stopped at the next point.
+AGENT_CHAINS = {"rollout-update-validate": [
+                    ("agent-rollout:2:1", 1, False),        # rollout: every rank stops at its engine's next step;
+                                                            # step 1's checkpoint (--save-freq 1) is already there
+                    ("agent-update:2:0:2", 2, True),        # after the first optimiser step: both finish step 2, keep it
+                    ("agent-validate-late:3:0", 3, True)],  # rank 1 has finished its validation shard, waits for rank 0
+                "logprobs": [("agent-logprobs:3:0:2", 2, False)]}  # between no-grad micro-batches: both drop step 3
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fault, saved, written", AGENT_POINTS, ids=[p[0] for p in AGENT_POINTS])
-def test_sigterm_on_every_rank_checkpoints_and_resumes_exactly(fault, saved, written, two_ranks, tiny_model_dir,
-                                                                tmp_path):
+@pytest.mark.parametrize("chain", AGENT_CHAINS)
+def test_sigterm_on_every_rank_checkpoints_and_resumes_exactly(chain, two_ranks, tiny_model_dir, tmp_path):
     """With the old code rank 1 waited inside validation's closing all-reduce, where its handler could not run, while
     rank 0 was cut out of it: no checkpoint, the watchdog's exit after the grace."""
-    out = tmp_path / "run"
-    proc, took = torchrun(WORKER, fault, *args(tiny_model_dir, out, "--save-freq", "1"))
-    assert f"checkpointed step {saved} " in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
-    assert proc.returncode != 0 and "got signal: 15" in proc.stderr  # torchrun's agent, stopped by the signal
-    assert "no checkpoint within --shutdown-grace" not in proc.stderr and took < 100, took
-    assert os.readlink(out / "latest") == f"step_{saved:06d}"
-    assert (out / "latest" / "actor").exists() is not written  # the SIGTERM's own: what --resume needs, no export
+    out, resume = tmp_path / "run", ()
+    for fault, saved, written in AGENT_CHAINS[chain]:
+        proc, took = torchrun(WORKER, fault, *args(tiny_model_dir, out, "--save-freq", "1", *resume))
+        assert f"checkpointed step {saved} " in proc.stdout, (fault, proc.stdout[-2000:], proc.stderr[-3000:])
+        assert proc.returncode != 0 and "got signal: 15" in proc.stderr  # torchrun's agent, stopped by the signal
+        assert "no checkpoint within --shutdown-grace" not in proc.stderr and took < 100, (fault, took)
+        assert os.readlink(out / "latest") == f"step_{saved:06d}"
+        assert (out / "latest" / "actor").exists() is not written  # the SIGTERM's own: what --resume needs, no export
+        resume = ("--resume",)
     proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, out, "--save-freq", "1", "--resume"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     same_run(out, two_ranks[0], atol=1e-6)

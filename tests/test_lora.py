@@ -182,7 +182,7 @@ def test_lora_training_samples_the_merged_adapters_and_checkpoints_only_them(lor
     assert not any("lora" in n for n, _ in merged.named_parameters())
     assert json.loads((ckpt / "adapter" / lora.PEFT_CONFIG).read_text())["r"] == RANK
     r = run_script("eval.py", ckpt, "--benchmarks", "arith_test", "--limit", 2, "--max-response-tokens", 8,
-                   "--engine-dtype", "float32", "--enforce-eager", "--out", out / "eval", env=CPU_ENV, timeout=600)
+                   "--engine", "hf", "--out", out / "eval", env=CPU_ENV, timeout=600)  # eval.py finds actor/
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "eval" / "summary.json").read_text())["models"] == {str(ckpt): str(ckpt / "actor")}
 

@@ -78,11 +78,12 @@ def uneven_args(model_dir, out):
 
 def uneven_runs(torchrun, model_dir, tmp_path, env, nproc=2, extra=()):
     """tests/_uneven_train_worker.py on `nproc` ranks and on one -> the multi-rank run's metrics.jsonl rows, after
-    checking that every logged rollout and validation metric equals the 1-rank run's."""
+    checking that every logged rollout and validation metric equals the 1-rank run's. The script writes every
+    completion, so the 1-rank reference takes the transformers engine: no vLLM start for the same trajectories."""
     worker = ROOT / "tests" / "_uneven_train_worker.py"
     many = torchrun(worker, *uneven_args(model_dir, tmp_path / "many"), *extra, env=env, nproc=nproc, timeout=600)
     assert many.returncode == 0, many.stdout[-3000:] + many.stderr[-5000:]
-    one = run_script(worker, *uneven_args(model_dir, tmp_path / "one"), env=env, timeout=600)
+    one = run_script(worker, *uneven_args(model_dir, tmp_path / "one"), "--engine", "hf", env=env, timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
     rows = {k: [json.loads(line) for line in open(tmp_path / k / "metrics.jsonl")] for k in ("one", "many")}
     assert [r["step"] for r in rows["many"]] == [r["step"] for r in rows["one"]] == [0, 1, 2]

