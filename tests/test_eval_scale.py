@@ -4,6 +4,7 @@ resumed (against the uninterrupted run) and 2 ranks under torchrun (against 1 ra
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,8 +78,6 @@ def test_hf_engine_bounds_its_batch_and_reports_each_request(tiny_model_dir):
 @pytest.mark.vllm
 def test_defaults_clamp_the_cap_sweep_the_reference_budgets_and_count_repeats(tmp_path, tiny_model_dir):
     """The tiny model with a 1024-token context (its weights; RoPE has no learned positions): greedy to the cap."""
-    import shutil
-
     small = tmp_path / "model"
     shutil.copytree(tiny_model_dir, small)
     config = json.loads((small / "config.json").read_text())
@@ -171,8 +170,6 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_sample(pair, tmp_pat
 
 @pytest.mark.vllm
 def test_other_settings_in_the_same_out_die_in_one_line(pair, tmp_path):
-    import shutil
-
     first, _, ref, _ = pair
     out = tmp_path / "out"
     shutil.copytree(ref, out)  # the pair's evaluation, first among its checkpoints
@@ -221,8 +218,6 @@ def test_two_ranks_write_what_one_rank_writes(pair, torchrun, vllm_two_rank_env,
 @pytest.mark.vllm
 def test_a_checkpoint_retrained_into_the_same_path_is_not_replayed(pair, tmp_path):
     """The journal knows a checkpoint by its weights, not its path."""
-    import shutil
-
     first, other, ref, _ = pair
     model_dir, out = tmp_path / "model", tmp_path / "out"
     shutil.copytree(first, model_dir)
