@@ -1,11 +1,11 @@
-"""Run by tests/test_packing.py under torchrun with 1 or 2 ranks: one train.ppo_update
-on a fixed global mini-batch whose rows carry very different numbers of tokens. Rank r takes rows r::world, so with
-2 ranks rank 0 holds the short responses and rank 1 the long ones.
+"""Run by tests/test_packing.py with 1 rank (plain python) or 2 (torchrun): one train.ppo_update from the same weights
+for each micro-batch rule, on a fixed global mini-batch whose rows carry very different numbers of tokens. Rank r takes
+rows r::world, so with 2 ranks rank 0 holds the short responses and rank 1 the long ones.
 
-    _token_mean_worker.py MODEL OUT [TOKENS]   # TOKENS: micro-batches by token budget, else one row each
+    _token_mean_worker.py MODEL OUT [TOKENS ...]   # each TOKENS: micro-batches by that token budget; "none": a row each
 
-Writes the updated full parameters, the statistics and every rank's number of forward calls (rank 0) to OUT;
-token-mean must give the same step whatever the split."""
+Writes, for each TOKENS, the updated full parameters, the statistics and every rank's number of forward calls (rank
+0) to OUT.TOKENS; token-mean must give the same step whatever the split."""
 import contextlib
 import sys
 from pathlib import Path
@@ -40,12 +40,16 @@ def global_batch(model):
 
 
 def main():
-    model_dir, out = sys.argv[1], sys.argv[2]
-    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    model_dir, out, budgets = sys.argv[1], sys.argv[2], sys.argv[3:]
     rank, world, _, device = collectives.init_distributed()
-    plain = hf.load_causal_lm(model_dir)
-    batch = global_batch(plain)
+    batch = global_batch(hf.load_causal_lm(model_dir))
     mine = {k: v[rank::world] for k, v in batch.items()}
+    for budget in budgets:
+        update(model_dir, mine, None if budget == "none" else int(budget), f"{out}.{budget}", rank, world, device)
+    collectives.close_distributed()
+
+
+def update(model_dir, mine, tokens, out, rank, world, device):
     actor = sharding.shard(hf.load_causal_lm(model_dir))
     calls = []
     actor.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -60,7 +64,6 @@ def main():
     dist.all_gather_object(every, len(calls))
     if rank == 0:
         torch.save({"params": params, "skipped": skipped, "stats": stats, "calls": every}, out)
-    collectives.close_distributed()
 
 
 if __name__ == "__main__":

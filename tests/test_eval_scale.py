@@ -118,18 +118,36 @@ def pair(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.vllm
-def test_one_engine_for_two_checkpoints_equals_one_engine_each(pair, tmp_path):
+def test_one_engine_for_two_checkpoints_equals_one_engine_each_and_knows_each_by_its_weights(pair, tmp_path):
+    """The second checkpoint evaluated alone (from a copy: its path is then retrained) gives what the shared engine
+    gave it; the journal knows a checkpoint by its weights, not its path: new weights under the evaluated path are
+    refused, then evaluated afresh with --overwrite."""
     first, other, out, r = pair
     assert r.stdout.count("engine start") == 1 and f"{other}: weights loaded" in r.stdout
     assert r.stderr.count("Unknown vLLM environment variable") == 0
-    run_eval(other, *ARGS, "--out", tmp_path / "alone")
+    model_dir, alone = tmp_path / "model", tmp_path / "alone"
+    shutil.copytree(other, model_dir)
+    run_eval(model_dir, *ARGS, "--out", alone)
     both = lines(out / "samples.jsonl")
-    alone = lines(tmp_path / "alone" / "samples.jsonl")
-    assert [s for s in both if s["checkpoint"] == str(other)] == alone
+    samples = lines(alone / "samples.jsonl")
+    assert {s.pop("checkpoint") for s in samples} == {str(model_dir)}
+    assert [{k: v for k, v in s.items() if k != "checkpoint"} for s in both if s["checkpoint"] == str(other)] == samples
     mine = [s for s in both if s["checkpoint"] == str(first)]
-    assert len(mine) == len(alone) == 12
+    assert len(mine) == len(samples) == 12
     # the swap happened: the other weights answer differently
-    assert [s["response_ids"] for s in mine] != [s["response_ids"] for s in alone]
+    assert [s["response_ids"] for s in mine] != [s["response_ids"] for s in samples]
+
+    shutil.copy(Path(first) / "model.safetensors", model_dir / "model.safetensors")  # new weights, same path
+    r = subprocess.run(eval_cmd(model_dir, *ARGS, "--out", alone), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and err[-1].startswith(f"error: --out {alone}: holds generations of {model_dir} under "
+                                                    "other settings (weights)"), r.stderr[-2000:]
+    r = subprocess.run(eval_cmd(model_dir, *ARGS, "--out", alone, "--overwrite"), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)  # make demo's second run
+    assert r.returncode == 0 and f"[setup] --overwrite: replacing journal, samples.jsonl, summary.json, summary.md " \
+                                 f"in {alone}" in r.stderr, r.stderr[-2000:]
+    assert [s["response_ids"] for s in lines(alone / "samples.jsonl")] == [s["response_ids"] for s in mine]
 
 
 @pytest.mark.vllm
@@ -213,27 +231,6 @@ def test_two_ranks_write_what_one_rank_writes(pair, torchrun, vllm_two_rank_env,
     for stem in {f.name.rsplit(".rank", 1)[0] for f in (out / "journal").glob("*.jsonl")}:  # each rank its shard
         shards = [lines(out / "journal" / f"{stem}.rank{r}.jsonl") for r in (0, 1)]
         assert [len(x) for x in shards] == [6, 6]
-
-
-@pytest.mark.vllm
-def test_a_checkpoint_retrained_into_the_same_path_is_not_replayed(pair, tmp_path):
-    """The journal knows a checkpoint by its weights, not its path."""
-    first, other, ref, _ = pair
-    model_dir, out = tmp_path / "model", tmp_path / "out"
-    shutil.copytree(first, model_dir)
-    run_eval(model_dir, *ARGS, "--out", out)
-    shutil.copy(Path(other) / "model.safetensors", model_dir / "model.safetensors")  # new weights, same path
-    r = subprocess.run(eval_cmd(model_dir, *ARGS, "--out", out), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=600)
-    err = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and err[-1].startswith(f"error: --out {out}: holds generations of {model_dir} under "
-                                                    "other settings (weights)"), r.stderr[-2000:]
-    r = subprocess.run(eval_cmd(model_dir, *ARGS, "--out", out, "--overwrite"), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)  # make demo's second run
-    assert r.returncode == 0 and f"[setup] --overwrite: replacing journal, samples.jsonl, summary.json, summary.md " \
-                                 f"in {out}" in r.stderr, r.stderr[-2000:]
-    want = [s["response_ids"] for s in lines(ref / "samples.jsonl") if s["checkpoint"] == str(other)]
-    assert [s["response_ids"] for s in lines(out / "samples.jsonl")] == want  # the new weights' own generations
 
 
 def test_the_journal_index_holds_places_not_tokens(tmp_path):

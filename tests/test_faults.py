@@ -5,6 +5,8 @@ step, a SIGKILLed and a stalled rank under torchrun, resuming on another number 
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -31,6 +33,10 @@ def args(model, out, *extra, steps=3):
 def metrics(out):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def names(out):
+    return sorted(p.name for p in out.glob("step_*"))
 
 
 def weights(out, step):
@@ -207,8 +213,6 @@ def test_rng_states_round_trip_as_json_without_pickle():
 
 def torchrun(script, *argv, nproc=2, restarts=0, timeout=600):
     """`torchrun --standalone --nproc_per_node N --max-restarts R SCRIPT ARGV` on the CPU -> (process, seconds)."""
-    import subprocess
-    import sys
 
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -255,8 +259,6 @@ def test_each_attempt_of_the_group_gets_its_own_keys_whatever_each_agent_counted
     attempt (its peers' addresses) must not be read by the next one, and the ranks of one attempt must meet under
     one prefix even when their nodes' agents counted restarts differently (collectives.agree_on_attempt): here an
     attempt where rank 0 never started (its ack keys stay behind), then one whose node agents say 2 and 0."""
-    import subprocess
-    import sys
 
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**CPU_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "2",
@@ -292,8 +294,6 @@ def test_two_nodes_one_worker_dies_the_other_hangs(two_ranks, tiny_model_dir, tm
     amplifies the rounding: on an AMX CPU one weight ended two bf16 units off. With equal threads the runs are
     equal to the bit, wherever they run."""
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -328,25 +328,34 @@ def test_a_stalled_rank_is_named_and_the_group_exits(tiny_model_dir, tmp_path):
     assert took < 120, took  # not the 600 s stall
 
 
+def copy_run(src, dst, keep):
+    """A copy of the run in src at dst as it stood after step `keep`: later checkpoints removed, latest names it."""
+    shutil.copytree(src, dst, symlinks=True)
+    for ckpt in dst.glob("step_*"):
+        if int(ckpt.name[5:]) > keep:
+            shutil.rmtree(ckpt)
+    (dst / "latest").unlink()
+    (dst / "latest").symlink_to(f"step_{keep:06d}")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def four_steps(two_ranks, tiny_model_dir, tmp_path_factory):
+    """The 2-rank run resumed from step 2 to step 4, validating steps 3 and 4 (the 3-step run validates its last
+    step; so does this one), a checkpoint after every step -> OUT."""
+    out = copy_run(two_ranks[0], tmp_path_factory.mktemp("faults4") / "run", 2)
+    proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, out, "--save-freq", "1", "--resume",
+                                                "--val-freq", "1", steps=4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.dist
-def test_resume_on_another_world_size(two_ranks, tiny_model_dir, tmp_path):
+def test_resume_on_another_world_size(four_steps, two_ranks, tiny_model_dir, tmp_path):
     """2 ranks -> 1 -> 2: the checkpoint of step 2 (2 ranks) resumed on 1 rank for step 3, that one on 2 ranks for
     step 4, against the 2-rank run resumed from the same step 2 checkpoint."""
-    def copy(src, name, keep):
-        dst = tmp_path / name
-        shutil.copytree(src, dst, symlinks=True)
-        for ckpt in dst.glob("step_*"):
-            if int(ckpt.name[5:]) > keep:
-                shutil.rmtree(ckpt)
-        (dst / "latest").unlink()
-        (dst / "latest").symlink_to(f"step_{keep:06d}")
-        return dst
-
-    every = ("--resume", "--val-freq", "1")  # the 3-step run validates its last step: so does the 4-step one
-    ref = copy(two_ranks[0], "ref", 2)
-    proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, ref, *every, steps=4))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = copy(two_ranks[0], "one", 2)
+    every = ("--resume", "--val-freq", "1")  # as four_steps
+    one = copy_run(two_ranks[0], tmp_path / "one", 2)
     proc = run_script("train.py", *args(tiny_model_dir, one, *every, "--cpu-threads", "1", steps=3), env=CPU_ENV,
                       timeout=600)  # the reference's thread a rank: the world size is the one difference
     assert proc.returncode == 0 and "step_000002 at step 2" in proc.stdout, proc.stderr[-3000:]
@@ -354,7 +363,41 @@ def test_resume_on_another_world_size(two_ranks, tiny_model_dir, tmp_path):
     assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-3000:]
     # every mean over tokens, and the weights, agree to float tolerance (a clipped-token count moves by a token when
     # the summation order does)
-    same_run(one, ref, step=4, atol=1e-4, skip=MICRO_BATCH_DIAGNOSTICS)
+    same_run(one, four_steps, step=4, atol=1e-4, skip=MICRO_BATCH_DIAGNOSTICS)
+
+
+@pytest.mark.dist
+def test_a_fallback_past_a_damaged_checkpoint_loses_nothing_and_ends_where_the_run_would(four_steps, tiny_model_dir,
+                                                                                          tmp_path):
+    """On 2 ranks, --out relative: checkpoints of steps 2 and 4 (as a checkpoint every 2 steps leaves them); a byte of
+    step 4's shard flipped; resumed to step 3 with a checkpoint every step and --keep-last 1, it falls back to step 2,
+    keeps it (resumed from), keeps the damaged step 4 (newer than what it keeps) and latest names step 3; resumed
+    again to step 4, it writes step 4 over the damaged one (this run's) and ends where four_steps ended."""
+    def torchrun_here(steps, *extra):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(ROOT / "train.py"), *map(str, args(tiny_model_dir, "run", "--save-freq", "1",
+                                                                      "--keep-last", "1", "--resume", "--val-freq",
+                                                                      "1", *extra, steps=steps))],
+                              cwd=tmp_path, env=CPU_ENV, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return proc
+
+    out = tmp_path / "run"
+    shutil.copytree(four_steps, out, symlinks=True)
+    for step in (1, 3):
+        shutil.rmtree(out / f"step_{step:06d}")
+    shard = next((out / "step_000004" / "sharded").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    proc = torchrun_here(3)
+    assert "step_000004 is damaged" in proc.stdout and "step_000002 at step 2" in proc.stdout
+    assert names(out) == ["step_000002", "step_000003", "step_000004"] and os.readlink(out / "latest") == "step_000003"
+    assert checkpoint.damage(out / "step_000003") is None
+    proc = torchrun_here(4)
+    assert "step_000003 at step 3" in proc.stdout
+    assert names(out) == ["step_000003", "step_000004"] and checkpoint.damage(out / "step_000004") is None
+    same_run(out, four_steps, step=4, atol=1e-6)
 
 
 def test_save_minutes_checkpoints_by_time(uninterrupted_run):
@@ -401,7 +444,6 @@ def test_the_slurm_script_parses():
     train.py's (the script's variables filled in), with --resume, under SLURM's 30 s between SIGTERM and SIGKILL."""
     import re
     import shlex
-    import subprocess
 
     from torch.distributed.run import get_args_parser
 

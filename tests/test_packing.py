@@ -3,6 +3,7 @@ full [B, L, V] log-softmax) for log-probs, entropies, values and gradients; a br
 2 ranks with very different sequence lengths against one rank holding both."""
 import pytest
 import torch
+from conftest import CPU_ENV, ROOT, run_script
 
 import model as M
 import rollout
@@ -126,25 +127,36 @@ def test_token_budget_fills_micro_batches_and_keeps_every_row_once():
     assert [g.tolist() for g in packing.micro_batches(batch, torch.tensor([3, 0, 4]), size=2)] == [[3, 0], [4]]
 
 
-@pytest.mark.parametrize("budget", [None, 50])
-def test_token_budget_on_two_uneven_ranks_takes_the_one_rank_step(tiny_model_dir, tmp_path, torchrun, budget):
+@pytest.fixture(scope="module")
+def token_mean_steps(tiny_model_dir, tmp_path_factory, torchrun):
+    """tests/_token_mean_worker.py on 1 rank and on 2, each taking the step by rows and by a 50-token budget ->
+    {(ranks, budget): what the worker saved}."""
+    out = tmp_path_factory.mktemp("token_mean")
+    worker, budgets = ROOT / "tests" / "_token_mean_worker.py", ("none", "50")
+    one = run_script(worker, tiny_model_dir, out / "one", *budgets, env=CPU_ENV, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = torchrun(worker, tiny_model_dir, out / "two", *budgets, timeout=300)
+    assert two.returncode == 0, two.stderr[-4000:]
+    return {(ranks, budget): torch.load(out / f"{name}.{budget}") for ranks, name in ((1, "one"), (2, "two"))
+            for budget in budgets}
+
+
+@pytest.mark.parametrize("budget", ["none", "50"])
+def test_token_budget_on_two_uneven_ranks_takes_the_one_rank_step(token_mean_steps, tiny_model_dir, budget):
     """Rank 0 holds two short sequences (3 action tokens each), rank 1 two long ones (30): token-mean weighs every
     token the same whichever rank holds it, so the step equals one rank holding all four rows. By token budget
     rank 0 needs one micro-batch and rank 1 two, so rank 0 must split (FSDP hangs otherwise)."""
-    extra = [] if budget is None else [str(budget)]
-    for nproc, out in ((1, "one.pt"), (2, "two.pt")):
-        proc = torchrun("tests/_token_mean_worker.py", tiny_model_dir, tmp_path / out, *extra, nproc=nproc,
-                        timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = token_mean_steps[1, budget], token_mean_steps[2, budget]
     base = dict(sharding.full_state_dict(hf.load_causal_lm(tiny_model_dir)))
     moved = max((one["params"][n] - base[n]).abs().max().item() for n in base)
     diff = max((one["params"][n] - two["params"][n]).abs().max().item() for n in base)
     assert moved > 1e-3 and diff < 1e-3 * moved, (moved, diff)
     assert two["stats"]["loss/pg"] == pytest.approx(one["stats"]["loss/pg"], abs=1e-5)
-    if budget is not None:
+    if budget == "50":
         assert one["calls"] == [3]  # 45 | 45 | 13 + 13 tokens
         assert two["calls"] == [2, 2]  # rank 0 alone would have packed its 13 + 13 into one
+    else:
+        assert one["calls"] == [4] and two["calls"] == [2, 2]  # a row each
 
 
 def test_train_flag_micro_batch_tokens(capsys):

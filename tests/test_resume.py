@@ -1,18 +1,17 @@
-"""Resume never loses what a checkpoint saved, and never continues the wrong run: pruning after a fallback past a
-damaged checkpoint, OUT/latest in every form of --out, a same-numbered step_N, flags that change the run's maths,
-links planted in OUT, paths in a checkpoint's metadata that lead outside it, a torn metrics line, and eval.py on
-an export that lost or gained a file. Each fault is injected into real files (and real train.py and eval.py runs)."""
+"""Resume never loses what a checkpoint saved, and never continues the wrong run: pruning (and a fallback past a
+damaged checkpoint on 2 ranks: test_faults.py), OUT/latest in every form of --out, a same-numbered step_N, flags that
+change the run's maths, links planted in OUT, paths in a checkpoint's metadata that lead outside it, a torn metrics
+line, and eval.py on an export that lost or gained a file. Each fault is injected into real files (and real train.py
+and eval.py runs)."""
 import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import CPU_ENV, ROOT, run_script
-from test_faults import args, metrics, same_run
+from conftest import CPU_ENV, run_script
+from test_faults import args, metrics, names
 from test_trust import actor_and_optimiser
 from test_trust import trained as one_step  # noqa: F401 (a fixture: a one-step run)
 
@@ -28,10 +27,6 @@ def fake_checkpoints(out, steps, run_id="mine"):
         ckpt = out / f"step_{step:06d}"
         ckpt.mkdir(parents=True)
         (ckpt / "trainer_state.json").write_text(json.dumps({"run_id": run_id, "step": step}))
-
-
-def names(out):
-    return sorted(p.name for p in out.glob("step_*"))
 
 
 def test_pruning_keeps_the_newest_known_complete_and_all_it_must(tmp_path):
@@ -228,38 +223,6 @@ def test_steps_may_change_unless_they_move_the_warm_up(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- train.py and eval.py
-
-@pytest.mark.slow
-@pytest.mark.dist
-@pytest.mark.timeout(1200)
-def test_a_fallback_past_a_damaged_checkpoint_loses_nothing_and_ends_where_the_run_would(tiny_model_dir, tmp_path):
-    """The issue's case on 2 ranks, --out relative: 4 steps, a checkpoint every 2; a byte of step 4's shard flipped;
-    resumed to step 3 with a checkpoint every step and --keep-last 1, it falls back to step 2, keeps it (resumed
-    from), keeps the damaged step 4 (newer than what it keeps) and latest names step 3; resumed again to step 4, it
-    writes step 4 over the damaged one (this run's) and ends where the uninterrupted run ended."""
-    def torchrun(*argv):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "train.py"), *map(str, args(tiny_model_dir, "run", *argv[1:], steps=argv[0]))],
-                              cwd=tmp_path, env=CPU_ENV, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        return proc
-
-    out = tmp_path / "run"
-    torchrun(4, "--save-freq", "2")
-    shutil.copytree(out, tmp_path / "uninterrupted", symlinks=True)
-    shard = next((out / "step_000004" / "sharded").glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 1
-    shard.write_bytes(bytes(data))
-    proc = torchrun(3, "--save-freq", "1", "--keep-last", "1", "--resume", "--val-freq", "0")  # (no last-step val)
-    assert "step_000004 is damaged" in proc.stdout and "step_000002 at step 2" in proc.stdout
-    assert names(out) == ["step_000002", "step_000003", "step_000004"] and os.readlink(out / "latest") == "step_000003"
-    assert checkpoint.damage(out / "step_000003") is None
-    proc = torchrun(4, "--save-freq", "1", "--keep-last", "1", "--resume")
-    assert "step_000003 at step 3" in proc.stdout
-    assert names(out) == ["step_000003", "step_000004"] and checkpoint.damage(out / "step_000004") is None
-    same_run(out, tmp_path / "uninterrupted", step=4, atol=1e-6)
-
 
 @pytest.mark.slow
 def test_a_resume_with_other_maths_is_refused_and_other_running_is_said(one_step, tiny_model_dir, tmp_path):
