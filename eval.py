@@ -408,7 +408,7 @@ def evaluate(ev, engine, name):
 
 def main(argv=None):
     args = parse_args(argv)
-    from infra.system import keep_freed_memory, quiet_logs
+    from infra.system import freeze_imports, keep_freed_memory, quiet_logs
 
     quiet_logs(args.verbose)
     if args.score:
@@ -419,6 +419,7 @@ def main(argv=None):
     if len(set(args.checkpoints)) < len(args.checkpoints):
         die("a checkpoint is given twice")
     ev = eval_setup.start(args)  # every flag and input checked, checkpoints verified, --out claimed; no model yet
+    freeze_imports()
     ev.prepared = {name: prompts_of(path, ev.records, args) for name, path in ev.paths.items()}
     ev.gen_tokens = context_cap(args, ev.prepared, ev.say)  # the response cap and the budgets, within every context
     eval_setup.plan_engines(ev)  # checkpoints sharing an engine, a journal each, this rank's shard of the problems

@@ -26,7 +26,7 @@ from infra.collectives import barrier, check_shared_out, init_distributed
 from infra.hf import check_attn_implementation, decoder_layers, load_causal_lm, load_tokenizer, refuse_unsupported
 from infra.perf import model_shape, peak_tflops
 from infra.sharding import full_state_dict
-from infra.system import choose_dtype, keep_freed_memory, trainer_threads
+from infra.system import choose_dtype, freeze_imports, keep_freed_memory, trainer_threads
 from infra.weights import load_sharded
 from model import compile_model, compiler_missing, end_of_turn_ids, load_critic, resolve_model
 from train_logs import METRICS, read_metrics
@@ -73,6 +73,7 @@ class Run:
 
 def setup(args):
     """Process group, dtypes, data (tokenised and checked up front), models and the colocated engine -> run."""
+    freeze_imports()
     rank, world, local_rank, device = init_distributed(timeout=args.dist_timeout)
     run = Run(rank=rank, world=world, device=device, master=rank == 0, out=Path(args.out))
     threads = trainer_threads(args.cpu_threads)  # before the engine may narrow this process's CPU affinity
