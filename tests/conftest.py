@@ -21,11 +21,11 @@ MARKS_BY_FIXTURE = {"torchrun": ("dist",), "vllm_two_rank_env": ("vllm", "dist")
                     "vllm_engine": ("vllm",), "smol_engine": ("vllm",)}  # the engines of test_rollout, test_eval
 
 
-# The longest files, longest first (two workers on 2 cores: test_faults about 460 s of test time down to test_compile
-# 75 s), started first: `make test`'s two workers (pytest-xdist, a file at a time) then end together, not one on a file
-# taken last.
-LONGEST_FIRST = ("test_faults.py", "test_eval_scale.py", "test_train.py", "test_multirank.py", "test_rollout.py",
-                 "test_eval.py", "test_resume.py", "test_lora.py", "test_compile.py")
+# The longest files, longest first (two workers on 2 cores: test_faults about 520 s of test time down to test_resume
+# 70 s; test_compile as on a fresh machine, whose empty inductor cache costs it about 80 s more), started first: `make
+# test`'s two workers (pytest-xdist, a file at a time) then end together, not one on a file taken last.
+LONGEST_FIRST = ("test_faults.py", "test_train.py", "test_eval_scale.py", "test_multirank.py", "test_compile.py",
+                 "test_rollout.py", "test_eval.py", "test_lora.py", "test_resume.py")
 
 
 def pytest_collection_modifyitems(items):
