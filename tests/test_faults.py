@@ -211,12 +211,12 @@ def test_rng_states_round_trip_as_json_without_pickle():
 
 # ----------------------------------------------------------------------------- ranks that die, hang, or change count
 
-def torchrun(script, *argv, nproc=2, restarts=0, timeout=600):
-    """`torchrun --standalone --nproc_per_node N --max-restarts R SCRIPT ARGV` on the CPU -> (process, seconds)."""
-
+def torchrun(script, *argv, nproc=2, restarts=0, timeout=600, cwd=ROOT):
+    """`torchrun --standalone --nproc_per_node N --max-restarts R SCRIPT ARGV` on the CPU, from cwd -> (process,
+    seconds)."""
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           f"--max-restarts={restarts}", str(script), *map(str, argv)], cwd=ROOT, env=CPU_ENV,
+                           f"--max-restarts={restarts}", str(script), *map(str, argv)], cwd=cwd, env=CPU_ENV,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.time() - t0
 
@@ -259,7 +259,6 @@ def test_each_attempt_of_the_group_gets_its_own_keys_whatever_each_agent_counted
     attempt (its peers' addresses) must not be read by the next one, and the ranks of one attempt must meet under
     one prefix even when their nodes' agents counted restarts differently (collectives.agree_on_attempt): here an
     attempt where rank 0 never started (its ack keys stay behind), then one whose node agents say 2 and 0."""
-
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**CPU_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "2",
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -373,12 +372,9 @@ def test_a_fallback_past_a_damaged_checkpoint_loses_nothing_and_ends_where_the_r
     step 4's shard flipped; resumed to step 3 with a checkpoint every step and --keep-last 1, it falls back to step 2,
     keeps it (resumed from), keeps the damaged step 4 (newer than what it keeps) and latest names step 3; resumed
     again to step 4, it writes step 4 over the damaged one (this run's) and ends where four_steps ended."""
-    def torchrun_here(steps, *extra):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "train.py"), *map(str, args(tiny_model_dir, "run", "--save-freq", "1",
-                                                                      "--keep-last", "1", "--resume", "--val-freq",
-                                                                      "1", *extra, steps=steps))],
-                              cwd=tmp_path, env=CPU_ENV, capture_output=True, text=True, timeout=600)
+    def resume_to(steps):  # from tmp_path: --out "run", relative
+        proc, _ = torchrun(ROOT / "train.py", *args(tiny_model_dir, "run", "--save-freq", "1", "--keep-last", "1",
+                                                    "--resume", "--val-freq", "1", steps=steps), cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc
 
@@ -390,11 +386,11 @@ def test_a_fallback_past_a_damaged_checkpoint_loses_nothing_and_ends_where_the_r
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    proc = torchrun_here(3)
+    proc = resume_to(3)
     assert "step_000004 is damaged" in proc.stdout and "step_000002 at step 2" in proc.stdout
     assert names(out) == ["step_000002", "step_000003", "step_000004"] and os.readlink(out / "latest") == "step_000003"
     assert checkpoint.damage(out / "step_000003") is None
-    proc = torchrun_here(4)
+    proc = resume_to(4)
     assert "step_000003 at step 3" in proc.stdout
     assert names(out) == ["step_000003", "step_000004"] and checkpoint.damage(out / "step_000004") is None
     same_run(out, four_steps, step=4, atol=1e-6)
