@@ -91,10 +91,16 @@ def smollm2_dir():
     return model.resolve_model("smollm2")
 
 
+# The tests' tiny Llama: 2 layers, hidden 64, 2 heads of 32 (vLLM's CPU attention rejects 16; --engine-tp 2 needs 2
+# KV heads). Its tied 49,152-row embedding is most of its weights: half the width halves every checkpoint that a test
+# writes and hashes, and the head's matmuls. (Grouped KV heads: the Qwen2-shaped tiny model of test_rollout.)
+TINY = dict(hidden=64, heads=2, kv_heads=2, intermediate=128)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A random 2-layer Llama (hidden 128, head_dim 32) with the SmolLM2 tokenizer, fp32."""
-    return model.make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    """A random tiny Llama (TINY) with the SmolLM2 tokenizer, fp32."""
+    return model.make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0, **TINY)
 
 
 @pytest.fixture(scope="session")

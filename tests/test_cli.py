@@ -107,7 +107,7 @@ def test_engine_tp_must_divide_the_heads_and_the_ranks(smollm2_dir, tiny_model_d
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one node (an in-process vLLM engine of an earlier test
     # sets it to its own tensor-parallel size)
     cases = [(smollm2_dir, 2, 2, "has 9 attention heads and 3 KV heads; K must divide both (1, 3)"),
-             (tiny_model_dir, 4, 4, "has 4 attention heads and 2 KV heads; K must divide both (1, 2)"),
+             (tiny_model_dir, 4, 4, "has 2 attention heads and 2 KV heads; K must divide both (1, 2)"),
              (tiny_model_dir, 2, 3, "--engine-tp 2 must divide the number of ranks (3)")]
     for path, tp, world, needle in cases:
         with pytest.raises(SystemExit) as e:

@@ -269,9 +269,10 @@ def test_trainer_threads_are_set_after_the_engine_starts(tiny_model_dir, tmp_pat
 
 # ----------------------------------------------------------------------------- model FLOPs
 
-def test_model_flops_against_a_hand_count(tiny_model_dir):
-    """The tiny Llama: hidden 128, 2 layers, 4 heads of 32, 2 KV heads, MLP 256, tied head over the vocabulary."""
-    model = hf.load_causal_lm(tiny_model_dir)
+def test_model_flops_against_a_hand_count(tmp_path):
+    """make_tiny's Llama: hidden 128, 2 layers, 4 heads of 32, 2 KV heads, MLP 256, tied head over the vocabulary."""
+    path = M.make_tiny(tmp_path / "m")
+    model = hf.load_causal_lm(path)
     V = model.config.vocab_size
     per_layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 256 + 2 * 128  # q, o; k, v; gate, up, down; 2 norms
     shape = perf.model_shape(model)
@@ -279,7 +280,7 @@ def test_model_flops_against_a_hand_count(tiny_model_dir):
     seqs, resps = [10, 7], [4, 3]
     want = 2 * (2 * per_layer) * 17 + 2 * (V * 128) * 7 + 2 * 2 * 128 * (10 ** 2 + 7 ** 2)
     assert perf.forward_flops(shape, seqs, resps) == want
-    critic = perf.model_shape(M.load_critic(tiny_model_dir))
+    critic = perf.model_shape(M.load_critic(path))
     assert critic == dict(shape, head_params=128 + 1)  # the value head
     # a step: reference + old log-probs + values, no grad; actor and critic forward + backward per PPO epoch
     batch = {"prompt_mask": torch.tensor([[1] * 6, [0, 0] + [1] * 4]), "response_mask": torch.tensor([[1] * 4, [1] * 3 + [0]])}

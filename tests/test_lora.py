@@ -169,7 +169,7 @@ def test_lora_training_samples_the_merged_adapters_and_checkpoints_only_them(lor
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows[1:]:  # the engine samples what the trainer scores: the synced merge, to fp32 precision
         assert r["rollout/logprob_gap"] < 1e-4, r
-        assert r["kl/mean"] > 1e-4, r  # the adapters moved the policy off the reference (the base)
+        assert abs(r["kl/mean"]) > 1e-4, r  # the adapters moved the policy off the reference (the base; k1: signed)
     assert "Failed to load weights" not in proc.stderr and "were not loaded" not in proc.stderr
     ckpt = out / "step_000003"
     state = json.loads((ckpt / "trainer_state.json").read_text())

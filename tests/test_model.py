@@ -170,7 +170,7 @@ def test_save_hf_shards_with_index_and_reloads_equal(tiny, tiny_model_dir, tmp_p
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "export"
-    hf_export.save_hf(tiny, hf.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="1MB")
+    hf_export.save_hf(tiny, hf.load_tokenizer(tiny_model_dir), out, dtype=torch.float32, max_shard_size="100KB")
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
