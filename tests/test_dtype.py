@@ -1,5 +1,7 @@
 """--dtype/--engine-dtype auto (system.choose_dtype) and the quiet console (system.quiet_logs)."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,13 @@ print(json.dumps(out))
 """
 
 
+def run_probe(code):
+    """`python -c CODE` in a clean process from the repository root -> (the JSON its last stdout line holds, stderr)."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
+
 def page_size():
     """What one page fault maps for a large fresh block: a 2 MB huge page where transparent huge pages are
     'always' on (a machine set up for GPUs often is), else 4 KiB."""
@@ -155,15 +164,9 @@ def test_keep_freed_memory_keeps_large_blocks_in_the_heap(tmp_path):
     """glibc maps a 64 MB block on its own, unmaps it when freed and page-faults every page again on the next
     allocation; after keep_freed_memory("cpu") the block comes from the heap, stays there when freed and is
     reused without faults. A CUDA device leaves glibc alone."""
-    import subprocess
-    import sys
-
     if not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"):
         pytest.skip("not glibc >= 2.33")
-    proc = subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.splitlines()[-1])
+    r, _ = run_probe(KEEP_FREED_PROBE)
     size = 64 << 20
     pages = size // page_size()
     for before in r["default"] + r["after_cuda"]:                  # glibc's default, also after the CUDA call
@@ -204,12 +207,7 @@ def test_freeze_imports_sets_the_imports_aside_and_later_cycles_are_still_collec
     """After system.freeze_imports a full collection skips what the imports made (torch's and transformers' modules)
     and still frees a cycle made afterwards; the normal exit unfreezes them (no leak report from native bindings,
     which the frozen objects would never reach at finalisation)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", FREEZE_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.splitlines()[-1])
+    r, stderr = run_probe(FREEZE_PROBE)
     assert r["frozen"] > 100_000 and r["cycle_freed"], r
     assert r["after"] < r["before"] / 5, r  # (a pass over ~10^5 objects against one over the few made since)
-    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+    assert "leaked" not in stderr, stderr[-2000:]

@@ -110,8 +110,8 @@ def test_defaults_clamp_the_cap_sweep_the_reference_budgets_and_count_repeats(tm
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir, tmp_path_factory):
-    """Two checkpoints of one architecture (random weights, seeds 0 and 1) and one eval.py call over both: one
-    engine, the second checkpoint's weights loaded through sync_weights."""
+    """Two checkpoints of one architecture (random weights, seeds 0 and 1, the second's final norm negated) and one
+    eval.py call over both: one engine, the second checkpoint's weights loaded through sync_weights."""
     other = model.make_tiny(tmp_path_factory.mktemp("tiny1") / "model", seed=1, **TINY)
     # a random tied model's greedy token is its input token again (its own embedding row scores highest): seeds 0 and
     # 1 both write '\n' forever. The final norm's scale negated, seed 1's picks other tokens: the samples tell them apart
